@@ -1,0 +1,210 @@
+"""Timing of one callable: eager launches and CUDA-graph replay, medians with a p20-p80 spread.
+
+On CUDA every timed call is bracketed by CUDA events and preceded by a write of a large buffer
+(``flush_bytes``, default 256 MiB, several times the H200's 60 MB L2) so no call starts with its inputs
+already in L2 - the same discipline as ``triton.testing.do_bench``. The number of timed calls is
+capped both by count (``max_reps``) and by wall time (``max_time_s`` per impl and mode), so a suite
+has a predictable duration; at least ``min_reps`` calls are timed even when one call is slow.
+
+CUDA graph: after warm-up on a side stream, one call is captured and its replays are timed the same
+way. Launch overhead dominates small shapes (decode, short prefill); the graph time shows the kernels
+alone. When capture fails (a host sync inside the op, a non-capturable library call) the result is
+NaN with the reason, and the run goes on.
+
+On CPU (the smoke grid) calls are timed with ``time.perf_counter``; there is no flush and no graph.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median and p20/p80 of ``reps`` timed calls in milliseconds; ``note`` says why NaN if so."""
+
+    median_ms: float = NAN
+    p20_ms: float = NAN
+    p80_ms: float = NAN
+    reps: int = 0
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class TimingSettings:
+    """Knobs of the timer (recorded on every row as ``settings_json``)."""
+
+    max_reps: int = 50
+    min_reps: int = 3
+    max_time_s: float = 1.0
+    warmup_ms: float = 25.0
+    flush_bytes: int = 256 * 1024 * 1024
+    graphs: bool = True
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated ``q``-th percentile (0..100) of ``values`` (numpy's default method)."""
+    if not values:
+        return NAN
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(times_ms: list[float], note: str = "") -> Timing:
+    return Timing(percentile(times_ms, 50), percentile(times_ms, 20), percentile(times_ms, 80),
+                  len(times_ms), note)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}".rstrip(": ")
+
+
+class Timer:
+    """Times callables on ``device`` ("cuda" or "cpu") with the given settings."""
+
+    def __init__(self, device: str, settings: TimingSettings | None = None) -> None:
+        self.device = device
+        self.s = settings or TimingSettings()
+        self._flush_buf: Any = None
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _flush(self) -> None:
+        import torch
+
+        if self._flush_buf is None:
+            self._flush_buf = torch.empty(self.s.flush_bytes // 4, dtype=torch.int32, device="cuda")
+        self._flush_buf.zero_()
+
+    def _reps_for(self, est_ms: float) -> tuple[int, int]:
+        """(warm-up calls, timed calls) for a call that takes about ``est_ms``."""
+        est = max(est_ms, 1e-3)
+        reps = int(self.s.max_time_s * 1000.0 / est)
+        reps = max(self.s.min_reps, min(self.s.max_reps, reps))
+        warm = max(1, min(10, int(self.s.warmup_ms / est)))
+        return warm, reps
+
+    def _cuda_loop(self, call: Callable[[], Any], reps: int) -> list[float]:
+        import torch
+
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            self._flush()
+            starts[i].record()
+            call()
+            ends[i].record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+    # -- public -------------------------------------------------------------------------------
+    def eager(self, fn: Callable[[], Any]) -> Timing:
+        """Time ``fn`` launched eagerly (``fn`` was already called once: compiled and checked)."""
+        if self.device != "cuda":
+            return self._cpu(fn)
+        import torch
+
+        est = self._cuda_loop(fn, 1)[0]
+        warm, reps = self._reps_for(est)
+        for _ in range(warm):
+            fn()
+        torch.cuda.synchronize()
+        return summarize(self._cuda_loop(fn, reps))
+
+    def graph(self, fn: Callable[[], Any]) -> Timing:
+        """Capture one call of ``fn`` in a CUDA graph and time its replays; NaN + reason on failure."""
+        if self.device != "cuda":
+            return Timing(note="CPU run: no CUDA graph")
+        if not self.s.graphs:
+            return Timing(note="CUDA graphs disabled (--no-graph)")
+        import torch
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up on the capture stream, as graph capture requires
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+        except Exception as exc:  # capture is best effort: record why and go on
+            reason = f"capture failed: {_short(exc)}"
+            try:
+                torch.cuda.synchronize()
+            except Exception as sync_exc:  # the context is unusable: stop the run, rows are kept
+                raise RuntimeError(f"CUDA context broken after a failed graph capture: {_short(sync_exc)}") from exc
+            return Timing(note=reason)
+        try:
+            graph.replay()
+            torch.cuda.synchronize()
+            est = self._cuda_loop(graph.replay, 1)[0]
+            warm, reps = self._reps_for(est)
+            for _ in range(warm):
+                graph.replay()
+            torch.cuda.synchronize()
+            return summarize(self._cuda_loop(graph.replay, reps))
+        except Exception as exc:
+            torch.cuda.synchronize()
+            return Timing(note=f"replay failed: {_short(exc)}")
+        finally:
+            del graph
+
+    def _cpu(self, fn: Callable[[], Any]) -> Timing:
+        t0 = time.perf_counter()
+        fn()
+        est = (time.perf_counter() - t0) * 1000.0
+        warm, reps = self._reps_for(est)
+        for _ in range(min(warm, 2)):
+            fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1000.0)
+        return summarize(times)
+
+    def release(self) -> None:
+        """Free the flush buffer."""
+        self._flush_buf = None
+
+
+def measure_ceilings(device: str, seconds: float = 2.0) -> tuple[float, float, str]:
+    """(copy TB/s, matmul TFLOP/s, description) measured now on ``device``.
+
+    Copy: ``dst.copy_(src)`` of 1 GiB on CUDA (bytes read + written / time). Matmul: bf16
+    ``8192 x 8192 x 8192`` on CUDA (2 n³ / time). On CPU: 64 MiB copy and fp32 1024³ matmul.
+    The medians of a few reps are taken; these are achievable ceilings, not datasheet peaks.
+    """
+    import torch
+
+    if device == "cuda":
+        n_bytes, n, dtype = 1 << 30, 8192, torch.bfloat16
+    else:
+        n_bytes, n, dtype = 64 << 20, 1024, torch.float32
+    src = torch.empty(n_bytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    timer = Timer(device, TimingSettings(max_reps=20, min_reps=3, max_time_s=seconds / 2,
+                                         flush_bytes=256 << 20))
+    dst.copy_(src)
+    torch.matmul(a, b)
+    t_copy = timer.eager(lambda: dst.copy_(src)).median_ms
+    t_mm = timer.eager(lambda: torch.matmul(a, b)).median_ms
+    timer.release()
+    tbps = 2 * n_bytes / (t_copy * 1e-3) / 1e12
+    tflops = 2 * n ** 3 / (t_mm * 1e-3) / 1e12
+    what = (f"{'1 GiB' if device == 'cuda' else '64 MiB'} device copy; "
+            f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} {n}^3 matmul")
+    del src, dst, a, b
+    return tbps, tflops, what
