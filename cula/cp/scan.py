@@ -113,7 +113,9 @@ def _ring_scan(m: torch.Tensor, b: torch.Tensor, ctx: CPContext) -> torch.Tensor
         h0 = torch.empty_like(b)
         dist.recv(h0, src=dist.get_global_rank(ctx.group, ctx.rank - 1), group=ctx.group)
     if ctx.carries_out:
-        h_out = b if h0 is None else apply_transition(m, h0) + b
+        # The carried-in state reaches the outgoing one only when both belong to the same (only) segment.
+        passes_through = h0 is not None and ctx.num_seqs == 1
+        h_out = apply_transition(m, h0) + b if passes_through else b
         dist.send(h_out.contiguous(), dst=dist.get_global_rank(ctx.group, ctx.rank + 1), group=ctx.group)
     return h0
 
