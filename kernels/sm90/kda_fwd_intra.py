@@ -184,10 +184,10 @@ class KdaFwdIntra:
                 r = j % CHUNK
                 ss = f32(0.0)
                 if j < CHUNK:
-                    for d in cutlass.range_constexpr(DK):
+                    for d in cutlass.range(DK, unroll=8):
                         ss = ss + sQ[r, d] * sQ[r, d]
                 else:
-                    for d in cutlass.range_constexpr(DK):
+                    for d in cutlass.range(DK, unroll=8):
                         ss = ss + sK[r, d] * sK[r, d]
                 sRstd[j] = cute.math.rsqrt(ss + f32(L2NORM_EPS))
             else:
@@ -216,17 +216,21 @@ class KdaFwdIntra:
         # ---- phase 3: diagonal 16x16 blocks, element by element (exact for any gate)
         ii = tidx // SUB
         jj = tidx % SUB
+        dots = cute.make_rmem_tensor(cute.make_layout(2), f32)  # (Σ k k f, Σ q k f)
         for blk in cutlass.range_constexpr(CHUNK // SUB):
             i = blk * SUB + ii
             j = blk * SUB + jj
-            dot_k = f32(0.0)
-            dot_q = f32(0.0)
-            if jj <= ii:
-                for d in cutlass.range_constexpr(DK):
-                    f = cute.math.exp2(sG[i, d] - sG[j, d])
-                    kf = sK[j, d] * f
-                    dot_k = dot_k + sK[i, d] * kf
-                    dot_q = dot_q + sQ[i, d] * kf
+            jc = blk * SUB + cutlass.min(jj, ii)  # upper entries: compute a finite pair, drop it
+            dots.fill(0.0)
+            for d in cutlass.range(DK, unroll=8):
+                f = cute.math.exp2(sG[i, d] - sG[jc, d])
+                kf = sK[jc, d] * f
+                dots[0] = dots[0] + sK[i, d] * kf
+                dots[1] = dots[1] + sQ[i, d] * kf
+            dot_k = dots[0]
+            dot_q = dots[1]
+            if jj > ii:
+                dot_q = f32(0.0)
             a_kk = f32(0.0)
             if jj < ii:
                 a_kk = dot_k * sBeta[i]
@@ -259,31 +263,31 @@ class KdaFwdIntra:
                     sQl[r - nright, d] = sQ[il, d] * fl
             cute.arch.sync_threads()
             for m in cutlass.range_constexpr(bI):
-                j = jj + m * SUB
-                dot_k = f32(0.0)
-                dot_q = f32(0.0)
-                for d in cutlass.range_constexpr(DK):
-                    kr = sX[j, d]
-                    dot_k = dot_k + sX[48 + ii, d] * kr
-                    dot_q = dot_q + sQl[ii, d] * kr
+                jr = jj + m * SUB
+                dots.fill(0.0)
+                for d in cutlass.range(DK, unroll=8):
+                    kr = sX[jr, d]
+                    dots[0] = dots[0] + sX[48 + ii, d] * kr
+                    dots[1] = dots[1] + sQl[ii, d] * kr
+                dot_k = dots[0]
+                dot_q = dots[1]
                 i = bI * SUB + ii
-                sA[i, j] = dot_k * sBeta[i]
-                mAqk[hv, row0 + i, j] = dot_q.to(mAqk.element_type)
+                sA[i, jr] = dot_k * sBeta[i]
+                mAqk[hv, row0 + i, jr] = dot_q.to(mAqk.element_type)
         cute.arch.sync_threads()
 
         # ---- phase 5: T = (I + Akk)^-1 (threads 0..63, one column each, in registers);
         # the other threads stage β k 2^Γ (into sQ) and β v (into sX) for phase 6.
         if tidx < CHUNK:
-            col = cute.make_rmem_tensor(cute.make_layout(CHUNK), f32)
-            for i in cutlass.range_constexpr(CHUNK):
+            # column c = tidx of T by forward substitution: T[i,c] = δ_ic − Σ_{c≤j<i} Akk[i,j] T[j,c]
+            # (entries above the diagonal are zero, so the sum may start at j = 0)
+            for i in cutlass.range(CHUNK, unroll=1):
                 acc = f32(0.0)
                 if tidx == i:
                     acc = f32(1.0)
-                for j in cutlass.range_constexpr(i):
-                    acc = acc - sA[i, j] * col[j]
-                col[i] = acc
-            for i in cutlass.range_constexpr(CHUNK):
-                sT[i, tidx] = col[i]
+                for jk in cutlass.range(i, unroll=4):
+                    acc = acc - sA[i, jk] * sT[jk, tidx]
+                sT[i, tidx] = acc
         else:
             for it in cutlass.range(CHUNK * DK // (THREADS - CHUNK) + 1, unroll=1):
                 e = (tidx - CHUNK) + it * (THREADS - CHUNK)
