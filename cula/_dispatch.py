@@ -1,0 +1,402 @@
+"""The one table that decides which backend runs each public op.
+
+Every public op (``cula.kda.chunk_kda``, ...) validates its arguments into an ``inputs`` dict (the FLA
+0.6.0 argument names, plus ``A_log`` / ``dt_bias`` / ``chunk_size`` / ``state_indices`` / ``inplace``
+where the op takes them) and hands it to :func:`call`, which walks the op's candidates in order and runs
+the first that can take the inputs:
+
+1. ``cula-sm90``: our CuTe DSL kernel ``cula.kernels.sm90.<module>``, imported lazily. Unavailable when
+   the inputs are not on a CUDA device, the GPU is not Hopper (sm_90), the module is missing or fails to
+   import (e.g. no CuTe DSL), gradients are requested (no backward kernels yet), or the module's own
+   ``supports(...)`` gives a reason (kernels say "not validated" until their GPU tests pass).
+2. ``fla-triton``: FLA 0.6.0's Triton op on CUDA tensors.
+3. ``torch-ref``: the exact torch references in :mod:`cula.ref` (any device; the CPU path; differentiable).
+
+Each candidate answers ``supports(inputs) -> str | None`` (None = usable, else the human reason).
+Reasons that only say "this machine / device cannot run it" (CPU inputs, no GPU, no kernel module) skip
+silently; a reason specific to the inputs (a head dim the kernel lacks, gradients, fp64 on FLA) makes
+:func:`call` emit one :class:`cula.CulaFallbackWarning` per ``(op, backend, reason)`` per process.
+``cula.backends()`` reads this same table.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from cula._warn import warn_fallback
+
+CULA_SM90 = "cula-sm90"
+FLA_TRITON = "fla-triton"
+TORCH_REF = "torch-ref"
+KERNEL_PACKAGE = "cula.kernels.sm90"
+HOPPER = (9, 0)
+
+# Host-function keyword arguments of each kernel module (docs/INTERFACES.md), read from the inputs.
+KERNEL_ARGS: dict[str, tuple[str, ...]] = {
+    "lightning_fwd": (
+        "q", "k", "v", "decay", "scale", "initial_state", "output_final_state", "cu_seqlens",
+    ),
+    "lightning_decode": (
+        "q", "k", "v", "decay", "scale", "initial_state", "output_final_state", "state_indices", "inplace",
+    ),
+    "kda_decode": (
+        "q", "k", "v", "g", "beta", "A_log", "dt_bias", "scale", "initial_state", "output_final_state",
+        "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+        "lower_bound", "state_v_first", "state_indices", "inplace",
+    ),
+    "kda_fwd": (
+        "q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
+        "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "A_log", "dt_bias", "use_beta_sigmoid_in_kernel",
+        "allow_neg_eigval", "safe_gate", "lower_bound", "state_v_first", "cu_seqlens",
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Environment probes (module-level functions so tests can monkeypatch a fake GPU).
+
+
+def device_arch(device: torch.device) -> tuple[int, int] | None:
+    """Compute capability of ``device``, or None when it is not a CUDA device."""
+    if device.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def cuda_available() -> bool:
+    """Whether this process sees a CUDA device at all."""
+    return torch.cuda.is_available()
+
+
+def fla_installed() -> bool:
+    """Whether FLA can be imported (checked without importing it)."""
+    return importlib.util.find_spec("fla") is not None
+
+
+_resolved: dict[str, Any] = {}
+
+
+def resolve(target: str) -> Any:
+    """Import ``"module:attr"`` once and return the attribute."""
+    hit = _resolved.get(target)
+    if hit is None:
+        module, _, attr = target.partition(":")
+        hit = getattr(importlib.import_module(module), attr)
+        _resolved[target] = hit
+    return hit
+
+
+_kernels: dict[str, tuple[Any, str | None]] = {}
+
+
+def load_kernel(name: str) -> tuple[Any, str | None]:
+    """Import ``cula.kernels.sm90.<name>`` once; returns ``(module, None)`` or ``(None, reason)``."""
+    if name not in _kernels:
+        full = f"{KERNEL_PACKAGE}.{name}"
+        try:
+            module = importlib.import_module(full)
+            if not callable(getattr(module, name, None)) or not callable(getattr(module, "supports", None)):
+                _kernels[name] = (None, f"{full} has no {name}() / supports() entry points")
+            else:
+                _kernels[name] = (module, None)
+        except ModuleNotFoundError as exc:
+            missing = exc.name or ""
+            if full.startswith(missing):  # the module itself (or its package) is absent
+                _kernels[name] = (None, f"no kernel module {full}")
+            else:
+                _kernels[name] = (None, f"{full} failed to import ({type(exc).__name__}: {exc})")
+        except Exception as exc:  # a broken kernel build must not break the op: fall back
+            _kernels[name] = (None, f"{full} failed to import ({type(exc).__name__}: {exc})")
+    return _kernels[name]
+
+
+def clear_caches() -> None:
+    """Forget imported kernels and resolved runners (tests inject fake kernel modules)."""
+    _kernels.clear()
+    _resolved.clear()
+
+
+def needs_grad(inputs: Mapping[str, Any]) -> bool:
+    """True when grad mode is on and any tensor input requires grad."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs.values())
+
+
+def device_of(inputs: Mapping[str, Any]) -> torch.device:
+    return inputs["q"].device
+
+
+def resolved_scale(inputs: Mapping[str, Any]) -> float:
+    """``scale`` or its default ``K ** -0.5``."""
+    scale = inputs.get("scale")
+    return inputs["q"].shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Candidates
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run an op.
+
+    ``run`` / ``limits`` are ``"module:function"`` targets imported on first use: ``run(inputs)`` returns
+    what the public op returns; ``limits(inputs) -> str | None`` says what this path lacks for these
+    inputs. Kernel candidates name their module in ``kernel`` and run its host function directly.
+    """
+
+    name: str
+    run: str | None = None
+    limits: str | None = None
+    kernel: str | None = None
+
+    # -- environment (no inputs): why this candidate can never run here, or None
+
+    def environment(self, device: torch.device | None = None) -> str | None:
+        """Why this candidate cannot run on this machine (for ``device``, when given), or None."""
+        if self.name == TORCH_REF:
+            return None
+        if device is not None:
+            if device_arch(device) is None:
+                return f"inputs are on {device}; {self.name} needs CUDA tensors"
+        elif not cuda_available():
+            return "no CUDA device"
+        if self.name == FLA_TRITON:
+            return None if fla_installed() else "FLA (fla-core) is not installed"
+        arch = device_arch(device) if device is not None else _current_arch()
+        if arch != HOPPER:
+            return f"GPU is sm_{arch[0]}{arch[1]}, the cula kernels need Hopper (sm_90)"
+        return load_kernel(self.kernel)[1]
+
+    # -- inputs: why these inputs cannot take this candidate, or None
+
+    def supports(self, inputs: Mapping[str, Any]) -> str | None:
+        """None when this candidate can run ``inputs``, else the reason (environment or input)."""
+        reason = self.environment(device_of(inputs))
+        return reason if reason is not None else self.input_reason(inputs)
+
+    def input_reason(self, inputs: Mapping[str, Any]) -> str | None:
+        """The input-specific part of :meth:`supports` (the environment already checked)."""
+        if self.name == CULA_SM90 and needs_grad(inputs):
+            return "gradients requested and cula has no backward kernel for this op yet"
+        if self.name == FLA_TRITON and inputs["q"].dtype == torch.float64:
+            return "FLA's Triton kernels take fp16/bf16/fp32, got float64"
+        if self.limits is not None:
+            reason = resolve(self.limits)(inputs)
+            if reason is not None:
+                return reason
+        if self.kernel is not None:
+            module, _ = load_kernel(self.kernel)
+            try:
+                reason = module.supports(**kernel_kwargs(self.kernel, inputs))
+            except Exception as exc:  # a kernel's supports() bug: do not use the kernel
+                return f"{KERNEL_PACKAGE}.{self.kernel}.supports raised {type(exc).__name__}: {exc}"
+            if reason is not None:
+                return f"kernel: {reason}"
+        return None
+
+    def __call__(self, inputs: Mapping[str, Any]) -> Any:
+        if self.kernel is not None:
+            module, _ = load_kernel(self.kernel)
+            return getattr(module, self.kernel)(**kernel_kwargs(self.kernel, inputs))
+        return resolve(self.run)(inputs)
+
+
+def _current_arch() -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability())
+
+
+def kernel_kwargs(kernel: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """The host function's keyword arguments (``scale`` resolved to a float)."""
+    kwargs = {name: inputs.get(name) for name in KERNEL_ARGS[kernel]}
+    kwargs["scale"] = resolved_scale(inputs)
+    return kwargs
+
+
+def _kernel(module: str, limits: str | None = None) -> Candidate:
+    return Candidate(CULA_SM90, kernel=module, limits=limits)
+
+
+def _fla(run: str, limits: str | None = None) -> Candidate:
+    return Candidate(FLA_TRITON, run=run, limits=limits)
+
+
+def _ref(run: str, limits: str | None = None) -> Candidate:
+    return Candidate(TORCH_REF, run=run, limits=limits)
+
+
+# ---------------------------------------------------------------------------------------------------
+# THE TABLE: op name -> ordered candidates. Runners live next to each public op (cula/<variant>/_paths.py).
+
+_L = "cula.lightning._paths"
+_K = "cula.kda._paths"
+_G = "cula.gdn._paths"
+_A = "cula.gla._paths"
+
+TABLE: dict[str, tuple[Candidate, ...]] = {
+    "lightning_attn_fwd": (
+        _kernel("lightning_fwd"),
+        _fla(f"{_L}:fla_fwd", f"{_L}:fla_fwd_limits"),
+        _ref(f"{_L}:ref_fwd"),
+    ),
+    "lightning_attn_decode": (
+        _kernel("lightning_decode"),
+        _fla(f"{_L}:fla_decode", f"{_L}:fla_fwd_limits"),
+        _ref(f"{_L}:ref_decode"),
+    ),
+    "chunk_kda": (
+        _kernel("kda_fwd", f"{_K}:kernel_chunk_limits"),
+        _fla(f"{_K}:fla_chunk", f"{_K}:fla_chunk_limits"),
+        _ref(f"{_K}:ref_chunk", f"{_K}:ref_chunk_limits"),
+    ),
+    "fused_recurrent_kda": (
+        _kernel("kda_decode", f"{_K}:kernel_decode_limits"),
+        _fla(f"{_K}:fla_recurrent", f"{_K}:fla_recurrent_limits"),
+        _ref(f"{_K}:ref_recurrent"),
+    ),
+    "chunk_gated_delta_rule": (
+        _fla(f"{_G}:fla_chunk"),
+        _ref(f"{_G}:ref_chunk", f"{_G}:ref_chunk_limits"),
+    ),
+    "fused_recurrent_gated_delta_rule": (
+        _fla(f"{_G}:fla_recurrent"),
+        _ref(f"{_G}:ref_recurrent"),
+    ),
+    "chunk_gla": (
+        _fla(f"{_A}:fla_chunk"),
+        _ref(f"{_A}:ref_chunk"),
+    ),
+    "fused_recurrent_gla": (
+        _fla(f"{_A}:fla_recurrent"),
+        _ref(f"{_A}:ref_recurrent"),
+    ),
+}
+
+#: Where each op's public function lives (``cula.backends(op, **inputs)`` binds inputs to it).
+PUBLIC: dict[str, str] = {
+    "lightning_attn_fwd": "cula.lightning:lightning_attn_fwd",
+    "lightning_attn_decode": "cula.lightning:lightning_attn_decode",
+    "chunk_kda": "cula.kda:chunk_kda",
+    "fused_recurrent_kda": "cula.kda:fused_recurrent_kda",
+    "chunk_gated_delta_rule": "cula.gdn:chunk_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule": "cula.gdn:fused_recurrent_gated_delta_rule",
+    "chunk_gla": "cula.gla:chunk_gla",
+    "fused_recurrent_gla": "cula.gla:fused_recurrent_gla",
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decisions
+
+
+class Skip(NamedTuple):
+    """A candidate passed over: its name, the reason, and whether the reason is about this machine
+    (``environmental``: no warning) rather than about these inputs."""
+
+    backend: str
+    reason: str
+    environmental: bool
+
+
+class BackendStatus(NamedTuple):
+    """Whether a candidate can run on this machine at all (``reason`` says why not)."""
+
+    backend: str
+    available: bool
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which backend the inputs of ``op`` take (``backend``; None when none can), and why the
+    candidates before it were skipped."""
+
+    op: str
+    backend: str | None
+    skipped: tuple[Skip, ...] = field(default_factory=tuple)
+
+    @property
+    def selected(self) -> str | None:
+        return self.backend
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "op": self.op,
+            "selected": self.backend,
+            "skipped": [{"backend": s.backend, "reason": s.reason} for s in self.skipped],
+        }
+
+    def __str__(self) -> str:
+        head = f"{self.op} -> {self.backend or 'no backend'}"
+        if not self.skipped:
+            return head
+        return head + " (" + "; ".join(f"{s.backend} skipped: {s.reason}" for s in self.skipped) + ")"
+
+
+def candidates(op: str) -> tuple[Candidate, ...]:
+    try:
+        return TABLE[op]
+    except KeyError:
+        raise ValueError(f"op: expected one of {sorted(TABLE)}, got {op!r}") from None
+
+
+def decide(op: str, inputs: Mapping[str, Any]) -> Decision:
+    """Walk ``op``'s candidates and pick the first that supports ``inputs``."""
+    device = device_of(inputs)
+    skipped: list[Skip] = []
+    for cand in candidates(op):
+        reason = cand.environment(device)
+        if reason is not None:
+            skipped.append(Skip(cand.name, reason, True))
+            continue
+        reason = cand.input_reason(inputs)
+        if reason is not None:
+            skipped.append(Skip(cand.name, reason, False))
+            continue
+        return Decision(op, cand.name, tuple(skipped))
+    return Decision(op, None, tuple(skipped))
+
+
+def call(op: str, inputs: Mapping[str, Any], stacklevel: int = 3) -> Any:
+    """Run ``op`` on the first candidate that supports ``inputs``.
+
+    Warns once per ``(op, backend, reason)`` for input-specific skips; raises NotImplementedError when
+    no candidate can take the inputs. ``stacklevel`` points the warning at the user's call (counted
+    from the caller of this function).
+    """
+    decision = decide(op, inputs)
+    if decision.backend is None:
+        reasons = "; ".join(f"{s.backend}: {s.reason}" for s in decision.skipped)
+        raise NotImplementedError(f"cula {op}: no backend can run these inputs ({reasons})")
+    for skip in decision.skipped:
+        if not skip.environmental:
+            warn_fallback(op, skip.backend, skip.reason, decision.backend, stacklevel=stacklevel)
+    chosen = next(c for c in TABLE[op] if c.name == decision.backend)
+    return chosen(inputs)
+
+
+def availability() -> dict[str, list[BackendStatus]]:
+    """Per op, each candidate and whether it can run on this machine (inputs aside)."""
+    out: dict[str, list[BackendStatus]] = {}
+    for op, cands in TABLE.items():
+        out[op] = [
+            BackendStatus(c.name, reason is None, reason) for c in cands for reason in [c.environment()]
+        ]
+    return out
+
+
+def explain(op: str, *args: Any, **inputs: Any) -> Decision:
+    """The :class:`Decision` the public op would make for these arguments (validated as by the op)."""
+    candidates(op)
+    public = resolve(PUBLIC[op])
+    return decide(op, public.prepare_inputs(*args, **inputs))
+
+
+OpPrepare = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
