@@ -333,3 +333,20 @@ def check_chunk_size(chunk_size: Any, allowed: tuple[int, ...]) -> None:
     """``chunk_size`` (an FLA keyword) must be one FLA accepts for this op."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size not in allowed:
         raise ValueError(f"chunk_size: expected one of {list(allowed)}, got {describe(chunk_size)}")
+
+
+def check_pool_arguments(a: dict[str, Any], dims: Dims, device: torch.device, state_v_first: bool = False) -> None:
+    """The state-pool arguments of a decode op: ``initial_state`` (``[N, ...]`` states, or a pool
+    ``[P, ...]`` with ``state_indices: [N]``) and ``inplace`` (needs a state, one that needs no grad)."""
+    state, indices, inplace = a["initial_state"], a.get("state_indices"), bool(a.get("inplace"))
+    if indices is not None and state is None:
+        raise ValueError("initial_state: expected a state pool [P, HV, K, V] when state_indices is given, got None")
+    if inplace and state is None:
+        raise ValueError("initial_state: expected the state (pool) to update when inplace=True, got None")
+    rows = -1 if indices is not None else None  # a pool has any number of slots P
+    check_state("initial_state", state, dims, device, state_v_first=state_v_first, rows=rows,
+                dtypes=STATE_DTYPES_POOL)
+    if indices is not None:
+        check_state_indices(indices, dims.N, state.shape[0], state.device)
+    if inplace and torch.is_grad_enabled() and state.requires_grad:
+        raise ValueError("inplace: expected a pool that does not require grad (it is updated in place), got one that does")

@@ -27,24 +27,8 @@ def _prepare_fwd(a: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def _prepare_decode(a: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     dims, device = _prepare_common(a)
-    check_pool_arguments(a, dims, device)
+    V.check_pool_arguments(a, dims, device)
     return a
-
-
-def check_pool_arguments(a: dict[str, Any], dims: V.Dims, device: torch.device, state_v_first: bool = False) -> None:
-    """``initial_state`` / ``state_indices`` / ``inplace`` of a decode op (shared with KDA's)."""
-    state, indices, inplace = a["initial_state"], a.get("state_indices"), bool(a.get("inplace"))
-    if indices is not None and state is None:
-        raise ValueError("initial_state: expected a state pool [P, HV, K, V] when state_indices is given, got None")
-    if inplace and state is None:
-        raise ValueError("initial_state: expected the state (pool) to update when inplace=True, got None")
-    rows = -1 if indices is not None else None  # a pool has any number of slots P
-    V.check_state("initial_state", state, dims, device, state_v_first=state_v_first, rows=rows,
-                  dtypes=V.STATE_DTYPES_POOL)
-    if indices is not None:
-        V.check_state_indices(indices, dims.N, state.shape[0], state.device)
-    if inplace and torch.is_grad_enabled() and state.requires_grad:
-        raise ValueError("inplace: expected a pool that does not require grad (it is updated in place), got one that does")
 
 
 @public_op("lightning_attn_fwd", _prepare_fwd)
