@@ -1,0 +1,364 @@
+"""KDA fused forward prefill for Hopper: host side of the two-kernel pipeline.
+
+``kda_fwd(...)`` takes the arguments of ``fla.ops.kda.chunk_kda`` (0.6.0) that change the math and
+returns ``(o, final_state)``. Stage 1 (``kda_fwd_intra``) does the token-parallel work per (chunk,
+value head) into a chunk-padded bf16 scratch; stage 2 (``kda_fwd_recur``) runs the chunk recurrence
+per (sequence, value head, V tile) with the state on chip (TMA + wgmma). See ``kda_fwd.md``.
+
+``emulate_stages(...)`` is the same two-stage computation written in torch (float32/64), with the
+same scratch layout: the CPU tests check it against ``cula.ref.kda``, and the GPU check compares each
+kernel's scratch against it, so a wrong kernel points at its stage.
+
+Run ``python -m cula.kernels.sm90.kda_fwd --check`` on a Hopper machine to compile, compare with the
+references and time a few shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable
+
+import torch
+
+CHUNK = 64
+HEAD_DIM = 128
+# Flipped to True only once the GPU tests in tests/test_kernel_kda_fwd.py pass on the device.
+GPU_VALIDATED = False
+
+
+# --------------------------------------------------------------------------------------------------
+# what the kernels accept
+# --------------------------------------------------------------------------------------------------
+def supports(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    **_ignored,
+) -> str | None:
+    """None when ``kda_fwd`` can run these inputs, else the reason it cannot (for the dispatch table)."""
+    if not GPU_VALIDATED:
+        return "cula-sm90 kda_fwd: not validated on GPU yet"
+    if not (q.is_cuda and torch.cuda.is_available()):
+        return "cula-sm90 kda_fwd: inputs are not on a CUDA device"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return f"cula-sm90 kda_fwd: needs an SM90 (Hopper) GPU, got sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}"
+    if chunk_size != CHUNK:
+        return f"cula-sm90 kda_fwd: chunk_size {chunk_size} (only 64)"
+    if q.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
+        return f"cula-sm90 kda_fwd: head dims K={q.shape[-1]}, V={v.shape[-1]} (only 128, 128)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.bfloat16:
+            return f"cula-sm90 kda_fwd: {name} dtype {t.dtype} (only bfloat16)"
+    for name, t in (("g", g), ("beta", beta)):
+        if t.dtype not in (torch.bfloat16, torch.float32):
+            return f"cula-sm90 kda_fwd: {name} dtype {t.dtype} (bfloat16 or float32)"
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        return f"cula-sm90 kda_fwd: initial_state dtype {initial_state.dtype} (only float32)"
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    ):
+        return "cula-sm90 kda_fwd: forward only (inputs require grad: FLA's autograd path is used)"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# chunk bookkeeping shared by the kernels and the emulation
+# --------------------------------------------------------------------------------------------------
+def chunk_tables(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per-chunk ``[NC, 2]`` (first token, valid rows) and per-sequence ``[N, 2]`` (first chunk,
+    number of chunks), int32 on ``cu_seqlens``' device, and ``NC``. Zero-length sequences own no chunk."""
+    cu = cu_seqlens.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    nch = (lens + CHUNK - 1) // CHUNK
+    first = torch.cumsum(nch, 0) - nch
+    num_chunks = int(nch.sum().item())
+    seq_of = torch.repeat_interleave(torch.arange(len(lens), device=cu.device), nch)
+    local = torch.arange(num_chunks, device=cu.device) - first[seq_of]
+    tok0 = cu[:-1][seq_of] + CHUNK * local
+    nvalid = torch.minimum(cu[1:][seq_of] - tok0, torch.full_like(tok0, CHUNK))
+    chunks = torch.stack([tok0, nvalid], 1).to(torch.int32).contiguous()
+    seqs = torch.stack([first, nch], 1).to(torch.int32).contiguous()
+    return chunks, seqs, num_chunks
+
+
+def _flatten(q, k, v, g, beta, cu_seqlens):
+    B, T = q.shape[:2]
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(B + 1, device=q.device, dtype=torch.int64) * T
+    flat = [x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    return (*flat, cu_seqlens)
+
+
+def _gate_and_norm(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+                   use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, dtype):
+    from cula.ref._gates import beta_sigmoid, decay_gate, l2norm
+
+    q, k, g, beta = (x.to(dtype) for x in (q, k, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if use_beta_sigmoid_in_kernel:
+        beta = beta_sigmoid(beta, allow_neg_eigval)
+    if use_gate_in_kernel:
+        g = decay_gate(g, None if A_log is None else A_log.to(dtype),
+                       None if dt_bias is None else dt_bias.to(dtype), lower_bound)
+    return q, k, g, beta
+
+
+# --------------------------------------------------------------------------------------------------
+# torch emulation of the two stages (same scratch layout, no bf16 rounding)
+# --------------------------------------------------------------------------------------------------
+def emulate_stages(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                   use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
+                   lower_bound=None, state_v_first=False, cu_seqlens=None, *, dtype=torch.float64):
+    """Returns ``(o, final_state, scratch)``; ``scratch`` holds w, u, qg, aqk, kgt, gam as the kernels
+    write them (``[HV, NC*64, ...]``), in ``dtype``."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    scale = K ** -0.5 if scale is None else scale
+    qf, kf, vf, gf, bf, cu = _flatten(q, k, v, g, beta, cu_seqlens)
+    qf, kf, gf, bf = _gate_and_norm(qf, kf, gf, bf, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
+                                    dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, dtype)
+    vf = vf.to(dtype)
+    G = HV // H
+    qf, kf = qf.repeat_interleave(G, 1) * 1.0, kf.repeat_interleave(G, 1)
+    chunks, seqs, NC = chunk_tables(cu)
+    R = NC * CHUNK
+    dev = q.device
+    # gather each chunk's rows (zeros past the end): [NC, 64, HV, D]
+    idx = chunks[:, :1].long() + torch.arange(CHUNK, device=dev)[None]
+    valid = torch.arange(CHUNK, device=dev)[None] < chunks[:, 1:].long()
+    idx = torch.where(valid, idx, torch.zeros_like(idx))
+    m = valid[..., None, None].to(dtype)
+    qc, kc, vc, gc = (x[idx] * m for x in (qf, kf, vf, gf))
+    bc = bf[idx] * valid[..., None].to(dtype)
+    gam_log = gc.cumsum(1) / math.log(2.0)  # Γ in log2 units: [NC, 64, HV, K]
+    qc = qc * scale
+    # per (chunk, head) matrices: move heads next to chunks -> [NC, HV, 64, D]
+    qc, kc, vc, Gm = (x.transpose(1, 2) for x in (qc, kc, vc, gam_log))
+    bc = bc.transpose(1, 2)
+    diff = Gm[..., :, None, :] - Gm[..., None, :, :]  # [NC, HV, i, j, K]
+    lower = torch.tril(torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=dev))
+    fac = torch.where(lower[..., None], torch.exp2(torch.where(lower[..., None], diff, 0)), 0)
+    akk = torch.einsum("nhid,nhjd,nhijd->nhij", kc, kc, fac) * bc[..., :, None]
+    akk = akk.tril(-1)
+    aqk = torch.einsum("nhid,nhjd,nhijd->nhij", qc, kc, fac)
+    eye = torch.eye(CHUNK, dtype=dtype, device=dev)
+    tinv = torch.linalg.solve_triangular(eye + akk, eye.expand_as(akk), upper=False, unitriangular=True)
+    w = tinv @ (bc[..., None] * kc * torch.exp2(Gm))
+    u = tinv @ (bc[..., None] * vc)
+    qg = qc * torch.exp2(Gm)
+    glast = Gm[..., -1:, :]
+    kg = kc * torch.exp2(glast - Gm)
+    gam = torch.exp2(glast[..., 0, :])  # [NC, HV, K]
+
+    def rows(x):  # [NC, HV, 64, D] -> [HV, NC*64, D]
+        return x.permute(1, 0, 2, 3).reshape(HV, R, x.shape[-1])
+
+    scratch = dict(w=rows(w), u=rows(u), qg=rows(qg), aqk=rows(aqk), kgt=rows(kg).transpose(1, 2),
+                   gam=gam.permute(1, 0, 2))
+    o, ht = emulate_recurrence(scratch, chunks, seqs, B * T, initial_state, output_final_state,
+                               state_v_first, dtype)
+    return o.reshape(B, T, HV, V), ht, scratch
+
+
+def emulate_recurrence(scratch, chunks, seqs, total_tokens, initial_state, output_final_state,
+                       state_v_first, dtype):
+    """Stage 2 in torch: ``(o [TT, HV, V], final_state)`` from the scratch of stage 1."""
+    w, u, qg, aqk, kgt, gam = (scratch[n].to(dtype) for n in ("w", "u", "qg", "aqk", "kgt", "gam"))
+    HV, _, K = w.shape
+    V = u.shape[-1]
+    N = seqs.shape[0]
+    o = torch.zeros(total_tokens, HV, V, dtype=dtype, device=w.device)
+    hts = []
+    for n in range(N):
+        if initial_state is not None:
+            S = initial_state[n].to(dtype)
+            S = S.transpose(-1, -2) if state_v_first else S
+        else:
+            S = torch.zeros(HV, K, V, dtype=dtype, device=w.device)
+        c0, nc = int(seqs[n, 0]), int(seqs[n, 1])
+        for c in range(c0, c0 + nc):
+            r = slice(c * CHUNK, (c + 1) * CHUNK)
+            vn = u[:, r] - w[:, r] @ S
+            oc = qg[:, r] @ S + aqk[:, r] @ vn
+            S = gam[:, c, :, None] * S + kgt[:, :, r] @ vn
+            tok0, nv = int(chunks[c, 0]), int(chunks[c, 1])
+            o[tok0:tok0 + nv] = oc[:, :nv].transpose(0, 1)
+        hts.append(S.transpose(-1, -2) if state_v_first else S)
+    ht = torch.stack(hts) if output_final_state and N > 0 else None
+    return o, ht
+
+
+# --------------------------------------------------------------------------------------------------
+# the kernels
+# --------------------------------------------------------------------------------------------------
+_COMPILED: dict[tuple, Callable] = {}
+_TORCH2CUTE: dict = {}
+
+
+def _cute_dtype(dt: torch.dtype):
+    import cutlass
+
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+            torch.float32: cutlass.Float32}[dt]
+
+
+def _to_cute(t: torch.Tensor, align: int = 16):
+    """A cute view of ``t``; ``align`` must equal the fake tensor's ``assumed_align`` it was compiled with."""
+    from cutlass.cute.runtime import from_dlpack
+
+    if t.data_ptr() % align:
+        raise ValueError(f"tensor data pointer {t.data_ptr():#x} is not {align}-byte aligned")
+    return from_dlpack(t, assumed_align=align)
+
+
+def _compiled(kind: str, key: tuple, build: Callable):
+    fn = _COMPILED.get((kind, key))
+    if fn is None:
+        import cutlass.cute as cute
+
+        kern, args = build()
+        fn = cute.compile(kern, *args)
+        _COMPILED[(kind, key)] = fn
+    return fn
+
+
+def kda_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    return_scratch: bool = False,
+):
+    """KDA forward on the two SM90 kernels.
+
+    Args: as ``fla.ops.kda.chunk_kda`` 0.6.0 — q, k ``[B, T, H, 128]`` bf16; v ``[B, T, HV, 128]`` bf16;
+    g ``[B, T, HV, 128]`` bf16/fp32 (log-space, or raw with ``use_gate_in_kernel``); beta ``[B, T, HV]``
+    bf16/fp32; initial_state fp32 ``[N, HV, 128, 128]`` (K-first, or V-first with ``state_v_first``);
+    cu_seqlens int32/int64 ``[N+1]`` with ``B == 1``. ``safe_gate`` changes nothing here (the math is
+    exact for any gate).
+    Returns: ``o [B, T, HV, 128]`` (v's dtype) and the fp32 final state (or None); with
+    ``return_scratch`` also the stage-1 scratch dict.
+    """
+    import cuda.bindings.driver as cuda
+    import cutlass
+
+    from cula.kernels.sm90 import kda_fwd_intra as intra
+    from cula.kernels.sm90 import kda_fwd_recur as recur
+
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = q.device
+    scale = K ** -0.5 if scale is None else float(scale)
+    qf, kf, vf, gf, bf, cu = _flatten(q, k, v, g, beta, cu_seqlens)
+    qf, kf, vf, gf, bf = (x.contiguous() for x in (qf, kf, vf, gf, bf))
+    chunks, seqs, NC = chunk_tables(cu.to(dev))
+    N = seqs.shape[0]
+    o = torch.zeros(B * T, HV, V, dtype=v.dtype, device=dev)
+    if initial_state is not None:
+        h0 = initial_state.contiguous()
+    else:
+        h0 = torch.zeros(1, HV, K, V, dtype=torch.float32, device=dev)
+    ht = torch.empty(max(N, 1), HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    if NC == 0:  # every sequence empty: the state passes through
+        if output_final_state:
+            ht = h0.clone() if initial_state is not None else torch.zeros(N, HV, K, V, device=dev)
+        return (o.reshape(B, T, HV, V), ht) if not return_scratch else (o.reshape(B, T, HV, V), ht, {})
+    R = NC * CHUNK
+    bf16 = torch.bfloat16
+    w = torch.empty(HV, R, K, dtype=bf16, device=dev)
+    u = torch.empty(HV, R, V, dtype=bf16, device=dev)
+    qg = torch.empty(HV, R, K, dtype=bf16, device=dev)
+    aqk = torch.empty(HV, R, CHUNK, dtype=bf16, device=dev)
+    kgt = torch.empty(HV, K, R, dtype=bf16, device=dev)
+    gam = torch.empty(HV, NC, K, dtype=torch.float32, device=dev)
+    a_log = (A_log.float().contiguous() if (use_gate_in_kernel and A_log is not None)
+             else torch.zeros(1, dtype=torch.float32, device=dev))
+    dtb = (dt_bias.float().contiguous() if (use_gate_in_kernel and dt_bias is not None)
+           else torch.zeros(1, dtype=torch.float32, device=dev))
+    stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+
+    flags = dict(
+        use_qk_l2norm=bool(use_qk_l2norm_in_kernel), use_gate=bool(use_gate_in_kernel),
+        has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
+        use_lower_bound=bool(use_gate_in_kernel and lower_bound is not None),
+        use_beta_sigmoid=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval),
+        group=HV // H,
+    )
+    dts = (_cute_dtype(q.dtype), _cute_dtype(g.dtype), _cute_dtype(beta.dtype))
+    from cutlass.cute.runtime import make_fake_stream
+
+    f1 = _compiled("intra", (tuple(sorted(flags.items())), dts), lambda: (
+        intra.KdaFwdIntra(**flags), (*intra.fake_args(*dts), make_fake_stream())))
+    f1(*(_to_cute(t) for t in (qf, kf, vf, gf)), _to_cute(bf, 4), _to_cute(a_log, 4), _to_cute(dtb, 4),
+       _to_cute(chunks, 8), *(_to_cute(t) for t in (w, u, qg, aqk, kgt, gam)),
+       cutlass.Float32(scale), cutlass.Float32(lower_bound if lower_bound is not None else 0.0), stream)
+
+    rflags = dict(has_initial_state=initial_state is not None, output_final_state=bool(output_final_state),
+                  state_v_first=bool(state_v_first))
+    f2 = _compiled("recur", (tuple(sorted(rflags.items())), _cute_dtype(v.dtype)), lambda: (
+        recur.KdaFwdRecur(**rflags), (*recur.fake_args(_cute_dtype(v.dtype)), make_fake_stream())))
+    ht_arg = ht if ht is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=dev)
+    f2(_to_cute(w.permute(1, 2, 0)), _to_cute(qg.permute(1, 2, 0)), _to_cute(aqk.permute(1, 2, 0)),
+       _to_cute(kgt.permute(1, 2, 0)), _to_cute(u), _to_cute(gam), _to_cute(chunks, 8), _to_cute(seqs, 8),
+       *(_to_cute(t) for t in (o, h0, ht_arg)), stream)
+    out = o.reshape(B, T, HV, V)
+    if output_final_state and N == 0:
+        ht = None
+    if return_scratch:
+        return out, ht, dict(w=w, u=u, qg=qg, aqk=aqk, kgt=kgt, gam=gam)
+    return out, ht
+
+
+def compile_targets() -> dict:
+    """CPU PTX-check targets of both stages: ``intra*`` and ``recur*``."""
+    from cula.kernels.sm90 import kda_fwd_intra as intra
+    from cula.kernels.sm90 import kda_fwd_recur as recur
+
+    targets = {f"intra_{n}" if n != "default" else "intra": f for n, f in intra.compile_targets().items()}
+    targets.update({f"recur_{n}" if n != "default" else "recur": f for n, f in recur.compile_targets().items()})
+    targets["default"] = targets["recur"]
+    return targets
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--check" in sys.argv:
+        from cula.kernels.sm90 import kda_fwd_check
+
+        raise SystemExit(kda_fwd_check.main(sys.argv[1:]))
+    print(__doc__)

@@ -1,0 +1,152 @@
+"""Device check of the KDA forward pipeline: correctness per stage and end to end, then timings.
+
+``python -m cula.kernels.sm90.kda_fwd --check [--quick] [--no-bench]``. Prints one line per case:
+relative errors of each stage-1 scratch tensor vs the torch emulation, of o / final state vs the fp64
+reference (``cula.ref.kda``) and vs FLA's ``chunk_kda``; then the timings table.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+
+TOL_O = 2e-2  # bf16 operands: ||Δ|| / ||ref|| of o and the final state vs the fp64 reference
+
+# (name, B, T, H, HV, cu_seqlens or None, flags)
+CASES = [
+    ("T1", 1, 1, 2, 2, None, dict()),
+    ("T15-l2-gate", 2, 15, 2, 2, None, dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)),
+    ("T63-lb-5", 1, 63, 2, 2, None, dict(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True,
+                                         use_beta_sigmoid_in_kernel=True)),
+    ("T65-gva-vfirst", 2, 65, 1, 2, None, dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                               state_v_first=True)),
+    ("T1000-all", 1, 1000, 2, 2, None, dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                            use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)),
+    ("varlen-zero", 1, 200, 2, 2, [0, 0, 15, 15, 79, 200], dict(use_qk_l2norm_in_kernel=True,
+                                                                use_gate_in_kernel=True, lower_bound=-0.1)),
+    ("varlen-33", 1, 33 * 40, 1, 1, "33", dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)),
+    ("loggate-fp32", 1, 130, 2, 2, None, dict(use_qk_l2norm_in_kernel=True, g_log=True)),
+]
+
+
+def _inputs(name, B, T, H, HV, cu, flags, dev, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen)
+
+    flags = dict(flags)
+    g_log = flags.pop("g_log", False)
+    q = r(B, T, H, 128).to(dev, torch.bfloat16)
+    k = r(B, T, H, 128).to(dev, torch.bfloat16)
+    v = r(B, T, HV, 128).to(dev, torch.bfloat16)
+    if g_log:  # already log-space decay, fp32 input
+        g = (-torch.rand(B, T, HV, 128, generator=gen) * 0.5).to(dev, torch.float32)
+    else:
+        g = r(B, T, HV, 128).to(dev, torch.bfloat16)
+    beta = (r(B, T, HV) if flags.get("use_beta_sigmoid_in_kernel") else torch.rand(B, T, HV, generator=gen)).to(dev, torch.bfloat16)
+    if cu == "33":
+        lens = torch.randint(0, 80, (33,), generator=gen)
+        lens[-1] = T - lens[:-1].sum()
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).tolist()
+        assert cu[-1] == T and lens[-1] >= 0
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
+    N = B if cu is None else len(cu) - 1
+    kw = dict(flags)
+    if flags.get("use_gate_in_kernel"):
+        kw["A_log"] = (r(HV) * 0.5).to(dev)
+        kw["dt_bias"] = (r(HV * 128) * 0.1).to(dev)
+    kw["initial_state"] = (r(N, HV, 128, 128) * 0.1).to(dev)
+    kw["output_final_state"] = True
+    kw["cu_seqlens"] = cu_t
+    return (q, k, v, g, beta), kw
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("nan")
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check_case(case, dev, fla_chunk_kda=None):
+    from cula.kernels.sm90.kda_fwd import emulate_stages, kda_fwd
+    from cula.ref import kda as ref
+
+    name, *spec = case
+    args, kw = _inputs(name, *spec, dev=dev)
+    o, ht, scratch = kda_fwd(*args, **kw, return_scratch=True)
+    torch.cuda.synchronize()
+    o_e, ht_e, scr_e = emulate_stages(*args, **kw, dtype=torch.float64)
+    o_r, ht_r = ref.recurrent(*args, **kw, dtype=torch.float64)
+    errs = {n: _rel(scratch[n], scr_e[n]) for n in ("w", "u", "qg", "aqk", "kgt", "gam")}
+    errs["o_vs_emul"] = _rel(o, o_e)
+    errs["o"] = _rel(o, o_r)
+    errs["ht"] = _rel(ht, ht_r)
+    if fla_chunk_kda is not None:
+        fkw = {k2: v2 for k2, v2 in kw.items()}
+        o_f, ht_f = fla_chunk_kda(*args, **fkw)
+        errs["fla_o"] = _rel(o_f, o_r)
+        errs["fla_ht"] = _rel(ht_f, ht_r)
+    o2, ht2, _ = kda_fwd(*args, **kw, return_scratch=True)
+    errs["determ"] = float(not (torch.equal(o, o2) and torch.equal(ht, ht2)))
+    ok = errs["o"] < TOL_O and errs["ht"] < TOL_O and errs["determ"] == 0.0
+    return ok, errs
+
+
+def bench(dev, shapes=((1, 8192, 64), (2, 16384, 64))):
+    import triton.testing
+
+    from cula.kernels.sm90.kda_fwd import kda_fwd
+
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception:  # noqa: BLE001
+        chunk_kda = None
+    rows = []
+    for B, T, H in shapes:
+        q = torch.randn(B, T, H, 128, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(B, T, H, 128, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(B, T, H, 128, device=dev, dtype=torch.bfloat16)
+        g = torch.randn(B, T, H, 128, device=dev, dtype=torch.bfloat16)
+        beta = torch.randn(B, T, H, device=dev, dtype=torch.bfloat16)
+        kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                  A_log=torch.randn(H, device=dev), dt_bias=torch.randn(H * 128, device=dev) * 0.1,
+                  lower_bound=-5.0, safe_gate=True)
+        with torch.inference_mode():
+            t_cula = triton.testing.do_bench(lambda: kda_fwd(q, k, v, g, beta, **kw), warmup=50, rep=300,
+                                             return_mode="median")
+            t_fla = (triton.testing.do_bench(lambda: chunk_kda(q, k, v, g, beta, **kw), warmup=50, rep=300,
+                                             return_mode="median") if chunk_kda else float("nan"))
+        rows.append((B, T, H, t_cula, t_fla))
+        print(f"bench B{B} T{T} H{H}: cula {t_cula:.3f} ms  fla {t_fla:.3f} ms  speedup {t_fla / t_cula:.2f}x",
+              flush=True)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    dev = torch.device("cuda")
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception:  # noqa: BLE001
+        chunk_kda = None
+    n_ok = 0
+    t0 = time.time()
+    for case in CASES[:3] if "--quick" in argv else CASES:
+        try:
+            ok, errs = check_case(case, dev, chunk_kda)
+        except Exception:  # noqa: BLE001
+            print(f"case {case[0]}: EXCEPTION\n{traceback.format_exc()[-3000:]}", flush=True)
+            continue
+        n_ok += ok
+        print(f"case {case[0]}: {'PASS' if ok else 'FAIL'} "
+              + " ".join(f"{k}={v:.2e}" for k, v in errs.items()), flush=True)
+    print(f"correctness: {n_ok}/{len(CASES)} passed in {time.time() - t0:.1f} s", flush=True)
+    if "--no-bench" not in argv and n_ok > 0:
+        try:
+            bench(dev)
+        except Exception:  # noqa: BLE001
+            print(f"bench: EXCEPTION\n{traceback.format_exc()[-3000:]}", flush=True)
+    return 0 if n_ok == len(CASES) else 1
