@@ -52,6 +52,16 @@ def test_emulated_uneven_and_tiny_splits(case):
     assert rel_err(s, s_ref) < TOL
 
 
+@pytest.mark.parametrize("case", [c for c in DIST_CASES if c.variant == "kda"], ids=lambda c: c.name)
+def test_kda_identity_columns_in_a_separate_call(case):
+    """The transition from a second local call (K columns only) gives the same result as appended columns."""
+    inputs = make_inputs(case)
+    o_ref, s_ref = oracle(case, inputs)
+    o, s = _emulate(case, inputs, 3, identity_columns="separate")
+    assert rel_err(o, o_ref) < TOL
+    assert rel_err(s, s_ref) < TOL
+
+
 @pytest.mark.parametrize("case", DIST_CASES, ids=lambda c: c.name)
 def test_carry_matters(case, monkeypatch):
     """Dropping the scan (every rank from zero) must break these cases, or the test above proves nothing."""
@@ -127,6 +137,7 @@ def _kda_local_inputs(world_size=2, rank=0):
         (dict(initial_state=torch.zeros(2, 4, 8, 4)), ValueError, "initial_state"),
         (dict(cp_context="nope"), ValueError, "cp_context"),
         (dict(return_intermediate_states=True), NotImplementedError, "return_intermediate_states"),
+        (dict(identity_columns="both"), ValueError, "identity_columns"),
         (dict(), ValueError, "group is None"),  # a 2-rank context without a process group
     ],
 )

@@ -80,42 +80,63 @@ def _k_first(state: torch.Tensor | None, state_v_first: bool) -> torch.Tensor | 
     return state.transpose(-1, -2) if (state is not None and state_v_first) else state
 
 
-def _run_piece(piece: _Piece, tokens: dict, init_rows, ctx: CPContext, local_fn, scale, state_v_first,
-               need_final: bool, options: dict) -> _PieceResult:
+@dataclass(frozen=True)
+class _LocalCall:
+    """How to call the local forward: the op, the arguments every call shares, the identity-column mode."""
+
+    fn: _local.LocalFn
+    scale: float
+    state_v_first: bool
+    options: dict
+    identity_columns: str  # "appended": one call with V + K columns; "separate": a second call with K
+
+    def __call__(self, sliced: dict, initial_state, output_final_state: bool, cu_seqlens):
+        o, final = self.fn(**sliced, scale=self.scale, initial_state=_k_first(initial_state, self.state_v_first),
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                           state_v_first=self.state_v_first, **self.options)
+        return o, _k_first(final, self.state_v_first)
+
+
+IDENTITY_COLUMNS = ("appended", "separate")
+
+
+def _run_piece(piece: _Piece, tokens: dict, init_rows, ctx: CPContext, call: _LocalCall,
+               need_final: bool) -> _PieceResult:
+    """One local call (two with ``identity_columns="separate"``) over the piece's tokens.
+
+    ``init_rows`` are K-first. A boundary piece also returns the identity response ``o_I`` and ``M``.
+    """
     cu = ctx.cu_seqlens_cpu
     start, end = int(cu[piece.seg_lo]), int(cu[piece.seg_hi])
     sliced = {name: x[:, start:end] for name, x in tokens.items()}
     cu_piece = (ctx.cu_seqlens[piece.seg_lo: piece.seg_hi + 1] - ctx.cu_seqlens[piece.seg_lo])
     init = None if init_rows is None else init_rows[piece.seg_lo: piece.seg_hi]
     if not piece.boundary:
-        o, final = local_fn(**sliced, scale=scale, initial_state=init, output_final_state=need_final,
-                            cu_seqlens=cu_piece, state_v_first=state_v_first, **options)
-        return _PieceResult(o, _k_first(final, state_v_first))
+        o, final = call(sliced, init, need_final, cu_piece)
+        return _PieceResult(o, final)
 
     v = sliced["v"]
     HV, V, K = v.shape[2], v.shape[3], sliced["q"].shape[3]
     state_dtype = torch.float32 if init is None else init.dtype
-    h_start = (torch.zeros(1, HV, K, V, device=v.device, dtype=state_dtype) if init is None
-               else _k_first(init, state_v_first).to(state_dtype))
+    h_start = torch.zeros(1, HV, K, V, device=v.device, dtype=state_dtype) if init is None else init
     eye = torch.eye(K, device=v.device, dtype=state_dtype).expand(1, HV, K, K)
-    init_aug = torch.cat([h_start, eye], dim=-1)  # [1, HV, K, V + K]
-    sliced["v"] = torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=-1)
-    o_aug, final_aug = local_fn(**sliced, scale=scale, initial_state=_k_first(init_aug, state_v_first),
-                                output_final_state=True, cu_seqlens=cu_piece, state_v_first=state_v_first,
-                                **options)
-    final_aug = _k_first(final_aug, state_v_first)
+    zeros_k = v.new_zeros(*v.shape[:3], K)
+    if call.identity_columns == "separate":
+        o, final = call(sliced, h_start, True, cu_piece)
+        o_identity, transition = call(sliced | dict(v=zeros_k), eye.contiguous(), True, cu_piece)
+        return _PieceResult(o=o, final=final, o_identity=o_identity, transition=transition[0])
+    # Value columns evolve independently: [v | 0] from [h_start | I] gives both responses in one call.
+    o_aug, final_aug = call(sliced | dict(v=torch.cat([v, zeros_k], dim=-1)), torch.cat([h_start, eye], dim=-1),
+                            True, cu_piece)
     return _PieceResult(o=o_aug[..., :V], final=final_aug[..., :V], o_identity=o_aug[..., V:],
                         transition=final_aug[0, :, :, V:])
 
 
-def _local_pass(tokens: dict, scale, initial_state, output_final_state, ctx: CPContext, local_fn,
-                state_v_first: bool, options: dict):
+def _local_pass(tokens: dict, initial_state, output_final_state, ctx: CPContext, call: _LocalCall):
     """Step 1: run the pieces; return them with this rank's summary ``(M, b)``."""
     need_final = output_final_state or ctx.world_size > 1  # rank-uniform state dtype for the scan
-    init_rows = _local.local_initial_states(initial_state, ctx)
-    pieces = _plan(ctx)
-    results = [_run_piece(p, tokens, init_rows, ctx, local_fn, scale, state_v_first, need_final, options)
-               for p in pieces]
+    init_rows = _k_first(_local.local_initial_states(initial_state, ctx), call.state_v_first)
+    results = [_run_piece(p, tokens, init_rows, ctx, call, need_final) for p in _plan(ctx)]
     v, q = tokens["v"], tokens["q"]
     HV, V, K = v.shape[2], v.shape[3], q.shape[3]
     sdt = scan_dtype(results[-1].final.dtype if results[-1].final is not None else torch.float32)
@@ -178,6 +199,7 @@ def chunk_kda(
     *,
     cp_context: Any,
     local_fn: _local.LocalFn | None = None,
+    identity_columns: str = "appended",
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA forward over a sequence split across the ranks of ``cp_context.group`` (a collective).
@@ -195,6 +217,9 @@ def chunk_kda(
         cp_context: from :func:`cula.cp.build_cp_context` (an FLA ``FLACPContext`` is accepted too).
         local_fn: the single-device forward run locally (default: the public op ``cula.kda.chunk_kda``).
             It is called with ``V + K`` value columns on the boundary segments.
+        identity_columns: ``"appended"`` (one local call with ``V + K`` value columns per boundary segment)
+            or ``"separate"`` (two calls, with ``V`` and with ``K`` columns: for a local op that only takes
+            the usual head sizes; it repeats the intra-chunk work).
     Returns:
         ``o: [1, T_local, HV, V]`` and, with ``output_final_state``, ``[N_local, HV, K, V]`` (or V-first):
         the true state at the end of each local segment (``cula.cp.gather_final_state`` makes ``[N, ...]``).
@@ -206,14 +231,12 @@ def chunk_kda(
     _local.check_cu_seqlens_arg(cu_seqlens, ctx)
     _local.check_cu_seqlens_arg(kwargs.get("cu_seqlens_cpu"), ctx)
     _local.check_global_initial_state(initial_state, ctx)
-    local_fn = local_fn or _local.default_local_fn("kda")
-    options = _math_options(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                            allow_neg_eigval, safe_gate, lower_bound, _split_options(dict(kwargs)))
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    call = _local_call(local_fn, q, scale, state_v_first, identity_columns, kwargs, use_qk_l2norm_in_kernel,
+                       use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
+    options = call.options
     tokens = dict(q=q, k=k, v=v, g=g, beta=beta)
 
-    results, m, b = _local_pass(tokens, scale, initial_state, output_final_state, ctx, local_fn,
-                                state_v_first, options)
+    results, m, b = _local_pass(tokens, initial_state, output_final_state, ctx, call)
     grad_inputs = (*tokens.values(), initial_state, options.get("A_log"), options.get("dt_bias"))
     h0, anchor = exclusive_scan(m, b, ctx, requires_grad=inputs_require_grad(*grad_inputs))
     return _finish(results, h0, anchor, output_final_state, state_v_first)
@@ -226,18 +249,23 @@ def _check_beta(beta: torch.Tensor, ctx: CPContext) -> None:
                          f"got {shape}")
 
 
-def _math_options(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                  safe_gate, lower_bound, extra: dict) -> dict:
-    """The keyword arguments passed unchanged to every local call (flags, gate parameters, chunk_size ...)."""
-    return dict(
+def _local_call(local_fn, q, scale, state_v_first, identity_columns, kwargs, use_qk_l2norm_in_kernel,
+                use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound) -> _LocalCall:
+    """Resolve the defaults; the flags, gate parameters, chunk_size ... pass unchanged to every local call."""
+    if identity_columns not in IDENTITY_COLUMNS:
+        raise ValueError(f"identity_columns: expected one of {IDENTITY_COLUMNS}, got {identity_columns!r}")
+    options = dict(
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval,
         safe_gate=safe_gate,
         lower_bound=lower_bound,
-        **extra,
+        **_split_options(dict(kwargs)),
     )
+    return _LocalCall(fn=local_fn or _local.default_local_fn("kda"),
+                      scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                      state_v_first=state_v_first, options=options, identity_columns=identity_columns)
 
 
 def emulate_chunk_kda(
@@ -261,15 +289,15 @@ def emulate_chunk_kda(
     world_size: int,
     offsets: Sequence[int] | None = None,
     local_fn: _local.LocalFn | None = None,
+    identity_columns: str = "appended",
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Single-process emulation of :func:`chunk_kda` on ``world_size`` ranks (no torch.distributed).
 
     Takes and returns the global tensors of ``chunk_kda`` (``[B, T, ...]`` or packed with ``cu_seqlens``).
     """
-    local_fn = local_fn or _local.default_local_fn("kda")
-    options = _math_options(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                            allow_neg_eigval, safe_gate, lower_bound, _split_options(dict(kwargs)))
+    call = _local_call(local_fn, q, scale, state_v_first, identity_columns, kwargs, use_qk_l2norm_in_kernel,
+                       use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
     batch, length = q.shape[0], q.shape[1]
     packed = cu_seqlens is None
     tokens = dict(q=q, k=k, v=v, g=g, beta=beta)
@@ -278,13 +306,9 @@ def emulate_chunk_kda(
         cu_seqlens = _local.uniform_cu_seqlens(batch, length, q.device)
     check_global_cu_seqlens(cu_seqlens)
     contexts = emulated_contexts(cu_seqlens, world_size, offsets)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
 
-    passes = [
-        _local_pass({n: split_tokens(x, c) for n, x in tokens.items()}, scale, initial_state, output_final_state,
-                    c, local_fn, state_v_first, options)
-        for c in contexts
-    ]
+    passes = [_local_pass({n: split_tokens(x, c) for n, x in tokens.items()}, initial_state, output_final_state, c, call)
+              for c in contexts]
     h0s = emulated_initial_states([(m, b) for _, m, b in passes], contexts)
     results = [_finish(r, h0, None, output_final_state, state_v_first) for (r, _, _), h0 in zip(passes, h0s)]
     o = concat_tokens([r[0] for r in results])

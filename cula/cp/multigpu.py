@@ -146,7 +146,8 @@ def _token_names(variant: str) -> tuple[str, ...]:
     return ("q", "k", "v") if variant == "lightning" else ("q", "k", "v", "g", "beta")
 
 
-def _run_cp(variant: str, impl: str, local: dict, ctx, output_final_state: bool, fla_ctx=None):
+def _run_cp(variant: str, impl: str, local: dict, ctx, output_final_state: bool, fla_ctx=None,
+            identity_columns: str = "appended"):
     """One CP forward on this rank's piece."""
     from cula.cp import chunk_kda, lightning_attn_fwd
 
@@ -154,8 +155,11 @@ def _run_cp(variant: str, impl: str, local: dict, ctx, output_final_state: bool,
         from fla.ops.kda import chunk_kda as fla_chunk_kda
 
         return fla_chunk_kda(**local, cp_context=fla_ctx)
-    op = lightning_attn_fwd if variant == "lightning" else chunk_kda
-    return op(**local, output_final_state=output_final_state, cp_context=ctx, local_fn=local_op(variant, impl))
+    if variant == "lightning":
+        return lightning_attn_fwd(**local, output_final_state=output_final_state, cp_context=ctx,
+                                  local_fn=local_op(variant, impl))
+    return chunk_kda(**local, output_final_state=output_final_state, cp_context=ctx, local_fn=local_op(variant, impl),
+                     identity_columns=identity_columns)
 
 
 # ------------------------------------------------------------------------------------ rank programs
@@ -172,7 +176,7 @@ def _check(args, variant: str, rank: int, world_size: int, device) -> list[dict]
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=device, dtype=torch.int32)
         ctx = build_cp_context(cu, dist.group.WORLD, scan=args.scan)
         local = {n: (split_tokens(x, ctx) if n in _token_names(variant) else x) for n, x in inputs.items()}
-        o_local, s_local = _run_cp(variant, args.impl, local, ctx, True)
+        o_local, s_local = _run_cp(variant, args.impl, local, ctx, True, identity_columns=args.identity_columns)
         o, s = gather_tokens(o_local, ctx), gather_final_state(s_local, ctx)
         if rank != 0:
             continue
@@ -231,7 +235,8 @@ def _scaling(args, variant: str, rank: int, world_size: int, device) -> list[dic
                     from fla.ops.cp import build_cp_context as fla_build
 
                     fla_ctx = fla_build(cu, group=dist.group.WORLD)
-                fn = lambda: _run_cp(variant, args.impl, local, ctx, False, fla_ctx)  # noqa: E731
+                fn = lambda: _run_cp(variant, args.impl, local, ctx, False, fla_ctx,  # noqa: E731
+                                     identity_columns=args.identity_columns)
             with torch.no_grad():
                 times = _time(fn, device, args.warmup, args.reps)
         except torch.cuda.OutOfMemoryError as exc:  # a size that does not fit is a result, not a crash
@@ -355,7 +360,7 @@ def store_rows(rows: list[dict], args, started: str) -> str | None:
                                  started=started, settings=vars(args)))
     out = []
     for i, r in enumerate(rows):
-        flags = dict(world_size=r["world_size"], scan=args.scan)
+        flags = dict(world_size=r["world_size"], scan=args.scan, identity_columns=args.identity_columns)
         if r["kind"] == "scaling":
             flags.update(speedup=r.get("speedup"), efficiency=r.get("efficiency"), us_per_token=r["us_per_token"])
             config_id = f"cp/{r['variant']}/T{r['T']}/W{r['world_size']}"
@@ -397,6 +402,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", type=lambda s: s.split(","), default=["lightning", "kda"])
     p.add_argument("--impl", default="cula", choices=["cula", "fla", "fla-native", "ref"])
     p.add_argument("--scan", default="allgather", choices=["allgather", "ring"])
+    p.add_argument("--identity-columns", default="appended", choices=["appended", "separate"],
+                   help="KDA: transition from K extra value columns in the same local call, or a second call")
     p.add_argument("--check-T", type=int, default=16384)
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--scaling-T", type=ints, default=[131072, 262144, 524288, 1048576])
