@@ -82,6 +82,23 @@ class _AllGather(torch.autograd.Function):
         return grad[ctx.rank], None
 
 
+class _Tie(torch.autograd.Function):
+    """A zero scalar that depends on ``x`` in autograd's eyes (its gradient to ``x`` is zero).
+
+    Added to a rank's output, it makes the backward reach the all-gather on ranks that use none of the
+    gathered summaries; unlike ``0 * x.sum()`` it stays zero when ``x`` holds inf.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.shape, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+
+
 def inputs_require_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd records the CP op: grad mode on and some input requires grad."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -101,7 +118,7 @@ def _allgather_scan(
     ]
     h0 = compose_chain(chain)
     # Ranks that use no slice must still join the backward all-reduce: tie the gathered tensor into the output.
-    anchor = gathered.sum() * 0 if gathered.requires_grad else None
+    anchor = _Tie.apply(gathered) if gathered.requires_grad else None
     return h0, anchor
 
 
