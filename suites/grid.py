@@ -20,6 +20,7 @@ Nothing here imports torch: a suite is data, the runner turns it into tensors.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -159,6 +160,9 @@ def list_suites() -> list[str]:
 def load_suite(name: str, path: Path | None = None) -> Suite:
     """Load and expand suite ``name`` (or the file at ``path``); raises SuiteError naming the problem."""
     if path is None:
+        shipped = SUITE_DIR / f"{name}.toml"
+        if shipped.is_file():
+            return _load_shipped(name, shipped.stat().st_mtime_ns)
         path = SUITE_DIR / f"{name}.toml"
         if not path.is_file():
             raise SuiteError(f"unknown suite {name!r}; known suites: {', '.join(list_suites())}")
@@ -167,6 +171,12 @@ def load_suite(name: str, path: Path | None = None) -> Suite:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise SuiteError(f"suite file {path}: cannot read: {exc}") from None
     return _expand(data, Path(path))
+
+
+@functools.lru_cache(maxsize=32)
+def _load_shipped(name: str, mtime_ns: int) -> Suite:
+    """Shipped suites are parsed once per file version (the mtime is part of the cache key)."""
+    return load_suite(name, SUITE_DIR / f"{name}.toml")
 
 
 def load_configs(names: list[str], mode: str = "both") -> list[Config]:

@@ -297,7 +297,8 @@ def measure_config(cfg: Config, impls: dict[str, Any], order: list[str], timer: 
                 pass
     inputs.release()
     del ref_out
-    gc.collect()
+    if device == "cuda":
+        gc.collect()  # drop reference cycles holding device memory before the next config's inputs
     if fatal:
         raise FatalDeviceError(fatal, rows)
     return rows

@@ -1,0 +1,249 @@
+"""The runner on CPU with fake implementations: statuses, parts per config, resume, plan errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cula.bench import counting
+from cula.bench.impls import Impl, Prepared, Unavailable, fit_kwargs, op_kwargs
+from cula.bench.inputs import build_inputs
+from cula.bench.runner import BenchError, canonical_command, execute, parse_impls, resolve_plan
+from cula.bench.schema import ERROR, FAIL, OK, UNAVAILABLE
+from cula.bench.store import Store
+from cula.bench.timing import Timer, TimingSettings, percentile, summarize
+from cula.suites import load_suite
+
+FAST = TimingSettings(max_reps=3, min_reps=2, max_time_s=0.01, warmup_ms=0.0)
+FP = {"device_kind": "cpu", "gpu_name": "cpu (test)", "cula_sha": "0123456789", "cula_dirty": False}
+CEIL = (0.05, 0.5, "test ceilings")
+
+
+def fake_oracle(inputs):
+    """Cheap stand-in: o = v (shape [B,T,HV,V]), state = h0 + 1."""
+    t = inputs.tensors
+    ht = inputs.h0 + 1 if inputs.h0 is not None else None
+    return (t["v"].double(), ht.double() if ht is not None else None, None), "fake oracle"
+
+
+class Exact(Impl):
+    def __init__(self, name):
+        self.name = name
+        self.calls = 0
+
+    def prepare(self, inputs):
+        t, h0 = inputs.tensors, inputs.h0
+
+        def call():
+            self.calls += 1
+            return t["v"].clone(), (h0 + 1 if h0 is not None else None), None
+        return Prepared(call=call, backend=f"{self.name}-backend")
+
+
+class Off(Impl):
+    """Output off by 10 %: must be flagged FAIL, never hidden."""
+    name = "off"
+
+    def prepare(self, inputs):
+        t, h0 = inputs.tensors, inputs.h0
+        return Prepared(call=lambda: (t["v"] * 1.1, h0 + 1 if h0 is not None else None, None), backend="x")
+
+
+class Boom(Impl):
+    name = "boom"
+
+    def prepare(self, inputs):
+        def call():
+            raise RuntimeError("kernel exploded\nsecond line")
+        return Prepared(call=call, backend="x")
+
+
+class Missing(Impl):
+    name = "missing"
+
+    def prepare(self, inputs):
+        raise Unavailable("not built for this config")
+
+
+class InterruptAt(Exact):
+    """Raises KeyboardInterrupt on the n-th prepared config, like Ctrl-C mid-run."""
+
+    def __init__(self, name, at):
+        super().__init__(name)
+        self.at, self.seen = at, 0
+
+    def prepare(self, inputs):
+        self.seen += 1
+        if self.seen == self.at:
+            raise KeyboardInterrupt
+        return super().prepare(inputs)
+
+
+def smoke_plan(tmp_path, impls, mode="fixed"):
+    return resolve_plan(["smoke"], mode, impls, "cpu", results_dir=tmp_path, cuda_available=False)
+
+
+def run(plan, impls, **kw):
+    return execute(plan, FAST, impls=impls, oracle=fake_oracle, fingerprint=FP, ceilings=CEIL, **kw)
+
+
+def test_statuses_and_one_part_per_config(tmp_path):
+    names = ["cula", "off", "boom", "missing"]
+    plan = smoke_plan(tmp_path, ["cula", "ref"])
+    plan.impls = names
+    impls = {"cula": Exact("cula"), "off": Off(), "boom": Boom(), "missing": Missing()}
+    res = run(plan, impls)
+    rows = Store(tmp_path).read_run(res.run_id).rows
+    n_cfg = len(plan.configs)
+    assert res.rows == len(rows) == n_cfg * 4
+    by = {}
+    for r in rows:
+        by.setdefault(r.impl, []).append(r)
+    assert {r.status for r in by["cula"]} == {OK}
+    assert {r.status for r in by["off"]} == {FAIL}
+    assert all("o rel-L2" in r.note for r in by["off"])
+    assert all(r.o_rel_l2 == pytest.approx(0.1, rel=1e-6) for r in by["off"])
+    assert {r.status for r in by["boom"]} == {ERROR}
+    assert by["boom"][0].note == "RuntimeError: kernel exploded"
+    assert {r.status for r in by["missing"]} == {UNAVAILABLE}
+    ok = by["cula"][0]
+    assert ok.o_rel_l2 == 0.0 and ok.backend == "cula-backend" and ok.oracle == "fake oracle"
+    assert ok.eager_ms > 0 and 2 <= ok.eager_reps <= 3 and ok.eager_p20_ms <= ok.eager_p80_ms
+    assert math.isnan(ok.graph_ms) and "CPU" in ok.graph_note
+    assert ok.bytes > 0 and ok.flops > 0 and ok.tbps > 0 and ok.pct_bw == pytest.approx(100 * ok.tbps / 0.05)
+    assert ok.gpu_name == "cpu (test)" and ok.cula_sha == "0123456789" and ok.run_id == res.run_id
+    assert ok.command.startswith("cula bench --suite smoke --mode fixed")
+    # finished run: compacted into one bundle
+    assert res.bundle == tmp_path / f"{res.run_id}.parquet" and res.bundle.is_file()
+
+
+def test_interrupt_keeps_finished_configs_and_resume_skips_them(tmp_path):
+    plan = smoke_plan(tmp_path, ["cula"])
+    with pytest.raises(KeyboardInterrupt) as info:
+        run(plan, {"cula": InterruptAt("cula", at=3)})
+    run_id = info.value.args[0]
+    store = Store(tmp_path)
+    assert len(store.read_run(run_id).rows) == 2  # configs 1 and 2 were stored, 3 was in flight
+    assert store.read_meta(run_id)["status"] == "interrupted"
+    again = Exact("cula")
+    res = run(plan, {"cula": again}, resume=run_id)
+    assert res.configs_skipped == 2 and again.calls > 0
+    rows = store.read_run(run_id).rows
+    assert len(rows) == len(plan.configs)
+    assert [r.config_index for r in rows] == sorted(c.index for c in plan.configs)
+
+
+def test_resume_adds_a_new_impl_only(tmp_path):
+    plan = smoke_plan(tmp_path, ["cula"])
+    res = run(plan, {"cula": Exact("cula")})
+    plan.impls = ["cula", "ref"]
+    first, second = Exact("cula"), Exact("ref")
+    run(plan, {"cula": first, "ref": second}, resume=res.run_id)
+    assert first.calls == 0 and second.calls > 0
+    assert len(Store(tmp_path).read_run(res.run_id).rows) == 2 * len(plan.configs)
+
+
+def test_resume_unknown_run(tmp_path):
+    with pytest.raises(BenchError, match="unknown run id 'nope'"):
+        run(smoke_plan(tmp_path, ["cula"]), {"cula": Exact("cula")}, resume="nope")
+
+
+def test_out_dir_gets_one_file(tmp_path):
+    res = run(smoke_plan(tmp_path / "store", ["cula"]), {"cula": Exact("cula")}, out_dir=tmp_path / "out")
+    files = list((tmp_path / "out").iterdir())
+    assert files == [tmp_path / "out" / f"{res.run_id}.parquet"]
+
+
+def test_plan_falls_back_to_smoke_without_gpu(tmp_path):
+    plan = resolve_plan(["kda"], "both", None, "auto", cuda_available=False)
+    assert plan.fallback and plan.suites == ["smoke"] and plan.device == "cpu"
+    assert plan.impls == ["cula", "ref"]
+    assert "No CUDA GPU" in plan.notices[0] and "smoke" in plan.notices[0]
+    assert "cula" in str(plan.results_dir) and "reports" not in plan.results_dir.parts[-2:]
+    p2 = resolve_plan(["kda"], "both", ["fla", "ref"], "auto", cuda_available=False)
+    assert p2.impls == ["ref"] and any("fla" in n for n in p2.notices)
+
+
+def test_plan_on_gpu_keeps_the_suite(tmp_path):
+    plan = resolve_plan(["kda"], "varlen", ["fla", "ref"], "auto", cuda_available=True)
+    assert plan.device == "cuda" and len(plan.configs) == 18 and not plan.notices
+    assert plan.results_dir.parts[-2:] == ("reports", "results")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(suites=["nope"]), "unknown suite 'nope'"),
+    (dict(suites=["kda"], device="cuda"), "no CUDA GPU"),
+    (dict(suites=["kda"], device="cpu"), "needs a GPU"),
+    (dict(suites=["smoke"], mode="sideways"), "--mode"),
+    (dict(suites=["kda"], impls=["fla"]), "none of the requested impls runs on CPU"),
+])
+def test_plan_errors(kwargs, match):
+    with pytest.raises(BenchError, match=match):
+        resolve_plan(cuda_available=False, **kwargs)
+
+
+def test_parse_impls():
+    assert parse_impls("fla, ref,fla") == ["fla", "ref"]
+    assert parse_impls(None) is None
+    with pytest.raises(BenchError, match="unknown impl 'triton'"):
+        parse_impls("fla,triton")
+
+
+def test_canonical_command():
+    plan = resolve_plan(["kda"], "both", ["fla", "ref"], "auto", cuda_available=True)
+    assert canonical_command(plan, TimingSettings(), quick=False) == "cula bench --suite kda --mode both --impl fla,ref"
+    assert canonical_command(plan, TimingSettings(max_time_s=0.5), quick=False).endswith("--max-time 0.5")
+
+
+def test_percentiles_and_cpu_timer():
+    assert percentile([1, 2, 3, 4, 5], 50) == 3
+    assert percentile([1, 2, 3, 4, 5], 20) == pytest.approx(1.8)
+    t = summarize([5.0, 1.0, 3.0])
+    assert (t.median_ms, t.reps) == (3.0, 3)
+    calls = []
+    timing = Timer("cpu", TimingSettings(max_reps=7, min_reps=2, max_time_s=10)).eager(lambda: calls.append(1))
+    assert timing.reps == 7 and timing.median_ms >= 0 and len(calls) >= 8
+
+
+def test_counting_formulas():
+    # KDA prefill B1 T64 H=HV=1 K=V=2 bf16 with state: q,k,v,g 4*64*2*2 B, beta 64*2, params 4+8,
+    # o 64*2*2, h0 + ht 2*4*4
+    w = counting.count("kda", "prefill", B=1, T=64, H=1, HV=1, K=2, V=2, dtype="bfloat16", num_seqs=1, state=True)
+    assert w.bytes == 4 * 64 * 2 * 2 + 64 * 2 + 12 + 64 * 2 * 2 + 2 * 16
+    C = 64
+    per_chunk = 6 * C * C * 2 + 4 * C * C * 2 + (2 / 3) * C ** 3 + 6 * C * 2 * 2
+    assert w.flops == pytest.approx(per_chunk)
+    big = counting.count("kda", "prefill", B=2, T=8192, H=64, HV=64, K=128, V=128, dtype="bfloat16", num_seqs=2, state=True)
+    half = counting.count("kda", "prefill", B=1, T=8192, H=64, HV=64, K=128, V=128, dtype="bfloat16", num_seqs=1, state=True)
+    params = 64 * 4 + 64 * 128 * 4  # A_log, dt_bias: read once whatever the batch
+    assert big.flops == pytest.approx(2 * half.flops) and big.bytes == 2 * half.bytes - params
+    dec = counting.count("lightning", "decode", B=8, T=1, H=8, HV=8, K=128, V=128, dtype="bfloat16", num_seqs=8, state=True)
+    assert dec.bytes > 2 * 8 * 8 * 128 * 128 * 4  # the state round trip dominates decode traffic
+    tr = counting.count("gla", "train", B=1, T=128, H=2, HV=2, K=8, V=8, dtype="bfloat16", num_seqs=1, state=False)
+    fw = counting.count("gla", "prefill", B=1, T=128, H=2, HV=2, K=8, V=8, dtype="bfloat16", num_seqs=1, state=False)
+    assert tr.flops == pytest.approx(3 * fw.flops) and tr.bytes > 2 * fw.bytes
+    with pytest.raises(ValueError, match="variant"):
+        counting.count("rwkv", "prefill", B=1, T=1, H=1, HV=1, K=1, V=1, dtype="bfloat16", num_seqs=1, state=False)
+
+
+def test_inputs_are_seeded_and_shaped():
+    cfg = [c for c in load_suite("smoke").configs if c.variant == "kda" and c.mode == "varlen"][0]
+    a, b = build_inputs(cfg, "cpu"), build_inputs(cfg, "cpu")
+    assert torch.equal(a.tensors["q"], b.tensors["q"]) and torch.equal(a.h0, b.h0)
+    assert a.tensors["q"].shape == (1, cfg.T, cfg.H, cfg.K) and a.tensors["g"].shape == (1, cfg.T, cfg.HV, cfg.K)
+    assert a.cu_seqlens.tolist() == [0, *torch.tensor(cfg.lengths).cumsum(0).tolist()]
+    assert a.h0.shape == (cfg.n_seqs, cfg.HV, cfg.K, cfg.V) and a.h0.dtype == torch.float32
+    kw = op_kwargs(a, "fla")
+    assert kw["use_gate_in_kernel"] and kw["lower_bound"] == -5.0 and kw["cu_seqlens_cpu"] is a.cu_seqlens_cpu
+    assert op_kwargs(a, "ref")["dtype"] == torch.float32
+
+
+def test_fit_kwargs_refuses_to_drop_a_flag():
+    def op(q, k, v, scale=None):
+        return q
+
+    assert fit_kwargs(op, {"q": 1, "k": 2, "v": 3, "cu_seqlens_cpu": None, "safe_gate": False}) == {"q": 1, "k": 2, "v": 3}
+    with pytest.raises(Unavailable, match="safe_gate=True"):
+        fit_kwargs(op, {"q": 1, "k": 2, "v": 3, "safe_gate": True})
