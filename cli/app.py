@@ -350,7 +350,17 @@ def _describe_backends() -> str:
     except Exception as exc:
         return f"backends: cula.backends() failed: {type(exc).__name__}: {exc}"
     if isinstance(info, dict):
-        return "backends:\n" + "\n".join(f"  {k}: {v}" for k, v in info.items())
+        lines = []
+        for op, statuses in info.items():
+            parts = []
+            for st in statuses if isinstance(statuses, (list, tuple)) else [statuses]:
+                name = getattr(st, "backend", st)
+                if getattr(st, "available", True):
+                    parts.append(f"{name} (usable)")
+                else:
+                    parts.append(f"{name} (no: {getattr(st, 'reason', '?')})")
+            lines.append(f"  {op}: " + ", ".join(str(p) for p in parts))
+        return "backends (dispatch order, on this machine):\n" + "\n".join(lines)
     return f"backends: {info}"
 
 

@@ -187,24 +187,29 @@ def _wrap(fn: Callable[..., Any], kwargs: dict[str, Any], inputs: Inputs) -> Cal
     return train_step
 
 
-def _cula_backend(op: str, kwargs: dict[str, Any]) -> str:
-    """Name of the backend cula's dispatch picks for these inputs, via ``cula.backends``."""
+def _cula_backend(op: str, kwargs: dict[str, Any]) -> tuple[str, str]:
+    """(backend, why) cula's dispatch picks for these inputs, via ``cula.backends(op, **inputs)``;
+    ``why`` lists the candidates it skipped (empty when the first one runs)."""
     try:
         import cula
 
         backends = getattr(cula, "backends", None)
         if backends is None:
-            return "unknown (cula.backends not available)"
-        info = backends(op, **{k: v for k, v in kwargs.items() if k != "cu_seqlens_cpu"})
+            return "unknown (cula.backends not available)", ""
+        info = backends(op, **kwargs)
     except Exception as exc:  # informational only: never fail a row over it
-        return f"unknown (cula.backends failed: {type(exc).__name__})"
-    return describe_backends(info)
+        return f"unknown (cula.backends failed: {type(exc).__name__})", ""
+    skipped = getattr(info, "skipped", ())
+    why = "; ".join(f"{getattr(s, 'backend', '?')} skipped: {getattr(s, 'reason', s)}" for s in skipped)
+    return describe_backends(info), why
 
 
 def describe_backends(info: Any) -> str:
-    """First usable candidate of a ``cula.backends`` answer (dict, list of pairs or objects, str)."""
+    """Selected backend of a ``cula.backends`` answer (a Decision, dict, list of pairs/objects, str)."""
     if isinstance(info, str):
         return info
+    if hasattr(info, "backend") and not isinstance(info, (list, tuple, dict)):
+        return str(info.backend) if info.backend else "none"
     items: list[tuple[str, Any]] = []
     if isinstance(info, dict):
         if "selected" in info:
@@ -251,13 +256,14 @@ class TableImpl(Impl):
         fn = _load(*entry)
         api = {"cula": "public", "fla": "fla", "ref": "ref"}[self.name]
         kwargs = fit_kwargs(fn, op_kwargs(inputs, api))
+        note = ""
         if self.name == "cula":
-            backend = _cula_backend(entry[1], kwargs)
+            backend, note = _cula_backend(entry[1], kwargs)
         elif self.name == "fla":
             backend = "fla-triton"
         else:
             backend = "torch-ref"
-        return Prepared(call=_wrap(fn, kwargs, inputs), backend=backend)
+        return Prepared(call=_wrap(fn, kwargs, inputs), backend=backend, note=note)
 
 
 class FlashKDAImpl(Impl):

@@ -252,7 +252,7 @@ def measure_config(cfg: Config, impls: dict[str, Any], order: list[str], timer: 
                 import torch
 
                 torch.cuda.synchronize()
-            notes = [m for m in msgs if "TracerWarning" not in m][:3]
+            notes = [prepared.note] + [m for m in msgs if "TracerWarning" not in m][:3]
             if ref_out is None:
                 row.status, notes = FAIL, [oracle_err] + notes
             else:
