@@ -211,7 +211,6 @@ def emulate_recurrence(scratch, chunks, seqs, total_tokens, initial_state, outpu
 # the kernels
 # --------------------------------------------------------------------------------------------------
 _COMPILED: dict[tuple, Callable] = {}
-_TORCH2CUTE: dict = {}
 
 
 def _cute_dtype(dt: torch.dtype):
@@ -230,15 +229,28 @@ def _to_cute(t: torch.Tensor, align: int = 16):
     return from_dlpack(t, assumed_align=align)
 
 
-def _compiled(kind: str, key: tuple, build: Callable):
+def _launch(kind: str, key: tuple, make_kernel: Callable, make_fake_args: Callable, args: tuple) -> None:
+    """Compile once per (kind, static key) against fake tensors with dynamic extents, then call.
+
+    If the runtime tensors are not accepted by the fake-compiled function, compile once more against
+    the runtime arguments themselves (then cached under the same key).
+    """
+    import cutlass.cute as cute
+
     fn = _COMPILED.get((kind, key))
     if fn is None:
-        import cutlass.cute as cute
-
-        kern, args = build()
-        fn = cute.compile(kern, *args)
+        fn = cute.compile(make_kernel(), *make_fake_args())
         _COMPILED[(kind, key)] = fn
-    return fn
+    try:
+        fn(*args)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        if _COMPILED.get((kind, key, "real")):
+            raise
+        warnings.warn(f"cula kda_fwd: {kind} kernel recompiled for runtime tensors ({exc})", stacklevel=2)
+        fn = cute.compile(make_kernel(), *args)
+        _COMPILED[(kind, key)] = fn
+        _COMPILED[(kind, key, "real")] = fn
+        fn(*args)
 
 
 def kda_fwd(
@@ -321,20 +333,21 @@ def kda_fwd(
     dts = (_cute_dtype(q.dtype), _cute_dtype(g.dtype), _cute_dtype(beta.dtype))
     from cutlass.cute.runtime import make_fake_stream
 
-    f1 = _compiled("intra", (tuple(sorted(flags.items())), dts), lambda: (
-        intra.KdaFwdIntra(**flags), (*intra.fake_args(*dts), make_fake_stream())))
-    f1(*(_to_cute(t) for t in (qf, kf, vf, gf)), _to_cute(bf, 4), _to_cute(a_log, 4), _to_cute(dtb, 4),
-       _to_cute(chunks, 8), *(_to_cute(t) for t in (w, u, qg, aqk, kgt, gam)),
-       cutlass.Float32(scale), cutlass.Float32(lower_bound if lower_bound is not None else 0.0), stream)
+    _launch("intra", (tuple(sorted(flags.items())), dts), lambda: intra.KdaFwdIntra(**flags),
+            lambda: (*intra.fake_args(*dts), make_fake_stream()),
+            (*(_to_cute(t) for t in (qf, kf, vf, gf)), _to_cute(bf, 4), _to_cute(a_log, 4), _to_cute(dtb, 4),
+             _to_cute(chunks, 8), *(_to_cute(t) for t in (w, u, qg, aqk, kgt, gam)),
+             cutlass.Float32(scale), cutlass.Float32(lower_bound if lower_bound is not None else 0.0), stream))
 
     rflags = dict(has_initial_state=initial_state is not None, output_final_state=bool(output_final_state),
                   state_v_first=bool(state_v_first))
-    f2 = _compiled("recur", (tuple(sorted(rflags.items())), _cute_dtype(v.dtype)), lambda: (
-        recur.KdaFwdRecur(**rflags), (*recur.fake_args(_cute_dtype(v.dtype)), make_fake_stream())))
     ht_arg = ht if ht is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=dev)
-    f2(_to_cute(w.permute(1, 2, 0)), _to_cute(qg.permute(1, 2, 0)), _to_cute(aqk.permute(1, 2, 0)),
-       _to_cute(kgt.permute(1, 2, 0)), _to_cute(u), _to_cute(gam), _to_cute(chunks, 8), _to_cute(seqs, 8),
-       *(_to_cute(t) for t in (o, h0, ht_arg)), stream)
+    o_dt = _cute_dtype(v.dtype)
+    _launch("recur", (tuple(sorted(rflags.items())), o_dt), lambda: recur.KdaFwdRecur(**rflags),
+            lambda: (*recur.fake_args(o_dt), make_fake_stream()),
+            (_to_cute(w.permute(1, 2, 0)), _to_cute(qg.permute(1, 2, 0)), _to_cute(aqk.permute(1, 2, 0)),
+             _to_cute(kgt.permute(1, 2, 0)), _to_cute(u), _to_cute(gam), _to_cute(chunks, 8), _to_cute(seqs, 8),
+             *(_to_cute(t) for t in (o, h0, ht_arg)), stream))
     out = o.reshape(B, T, HV, V)
     if output_final_state and N == 0:
         ht = None

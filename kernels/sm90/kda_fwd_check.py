@@ -134,7 +134,11 @@ def main(argv: list[str]) -> int:
         chunk_kda = None
     n_ok = 0
     t0 = time.time()
+    deadline = float(argv[argv.index("--deadline") + 1]) if "--deadline" in argv else 1e9
     for case in CASES[:3] if "--quick" in argv else CASES:
+        if time.time() - t0 > deadline:
+            print(f"case {case[0]}: skipped (deadline)", flush=True)
+            continue
         try:
             ok, errs = check_case(case, dev, chunk_kda)
         except Exception:  # noqa: BLE001
@@ -144,7 +148,7 @@ def main(argv: list[str]) -> int:
         print(f"case {case[0]}: {'PASS' if ok else 'FAIL'} "
               + " ".join(f"{k}={v:.2e}" for k, v in errs.items()), flush=True)
     print(f"correctness: {n_ok}/{len(CASES)} passed in {time.time() - t0:.1f} s", flush=True)
-    if "--no-bench" not in argv and n_ok > 0:
+    if "--no-bench" not in argv and n_ok > 0 and time.time() - t0 < deadline:
         try:
             bench(dev)
         except Exception:  # noqa: BLE001
