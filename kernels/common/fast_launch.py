@@ -1,0 +1,185 @@
+"""Low-overhead calls of a compiled CuTe DSL host function whose arguments are pointers and scalars.
+
+A decode kernel runs for a few microseconds, so what the host spends per call matters as much as the
+kernel. The DSL's own call path (``compiled(*args)``) adapts every argument on every call: it rectifies
+the argument list against the signature, wraps each pointer / scalar / stream in a DSL object and asks it
+for a ctypes pointer. :class:`Launcher` does that once: it keeps one ctypes cell per argument and a packed
+argument array pointing at those cells, and per call only writes the new values into the cells and calls
+the compiled C entry point.
+
+The fast path leans on DSL internals (``JitExecutor``'s ``capi_func``, ``cuda_result`` and
+``kernel_functions_ptrs``), so it checks itself: on the first call it launches through the DSL's public
+path, then compares, byte by byte, the argument cells the DSL built with its own. Any difference, missing
+attribute or error switches the launcher to the public path for good, with one warning. The public path
+is always correct, only slower.
+
+Argument kinds (``ArgSpec.kind``): ``"ptr"`` (device address as int; ``dtype`` and ``align`` say how the
+kernel was compiled), ``"i32"``, ``"f32"`` and ``"stream"`` (a raw ``cudaStream_t`` as int).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+#: ctypes cell type per argument kind (what the compiled entry point reads through each slot).
+_CELL = {"ptr": ctypes.c_void_p, "stream": ctypes.c_void_p, "i32": ctypes.c_int32, "f32": ctypes.c_float}
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgSpec:
+    """One runtime argument of a compiled host function."""
+
+    kind: str  # "ptr", "i32", "f32" or "stream"
+    dtype: Any = None  # cutlass numeric type of a pointer
+    align: int = 16  # assumed alignment (bytes) a pointer was compiled with
+
+    def __post_init__(self) -> None:
+        if self.kind not in _CELL:
+            raise ValueError(f"kind: expected one of {sorted(_CELL)}, got {self.kind!r}")
+
+
+def compile_args(specs: Sequence[ArgSpec]) -> list[Any]:
+    """Example arguments to ``cute.compile`` a host function with: null pointers, zeros, a fake stream."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+    out: list[Any] = []
+    for spec in specs:
+        if spec.kind == "ptr":
+            out.append(make_ptr(spec.dtype, 0, cute.AddressSpace.gmem, assumed_align=spec.align))
+        elif spec.kind == "i32":
+            out.append(cutlass.Int32(0))
+        elif spec.kind == "f32":
+            out.append(cutlass.Float32(0.0))
+        else:
+            out.append(make_fake_stream())
+    return out
+
+
+def compile_launcher(fn: Any, specs: Sequence[ArgSpec], fast: bool = True) -> "Launcher":
+    """``cute.compile`` ``fn`` for ``specs`` and wrap the result in a :class:`Launcher`."""
+    import cutlass.cute as cute
+
+    return Launcher(cute.compile(fn, *compile_args(specs)), specs, fast=fast)
+
+
+def dsl_args(specs: Sequence[ArgSpec], values: Sequence[Any]) -> list[Any]:
+    """The DSL objects (``Pointer``, ``Int32``, ``Float32``, ``CUstream``) the public call path takes."""
+    import cuda.bindings.driver as cuda_driver
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    out: list[Any] = []
+    for spec, value in zip(specs, values):
+        if spec.kind == "ptr":
+            out.append(make_ptr(spec.dtype, int(value), cute.AddressSpace.gmem, assumed_align=spec.align))
+        elif spec.kind == "i32":
+            out.append(cutlass.Int32(int(value)))
+        elif spec.kind == "f32":
+            out.append(cutlass.Float32(float(value)))
+        else:
+            out.append(cuda_driver.CUstream(int(value)))
+    return out
+
+
+class Launcher:
+    """Calls ``compiled`` (a ``cute.compile`` result) with plain ints / floats, fast after the first call.
+
+    Args:
+        compiled: the compiled host function.
+        specs: one :class:`ArgSpec` per runtime argument, in order.
+        fast: try the cached-cell path (``False``: always the DSL's public path).
+    """
+
+    def __init__(self, compiled: Any, specs: Sequence[ArgSpec], fast: bool = True):
+        self.compiled = compiled
+        self.specs = tuple(specs)
+        self._cells = [_CELL[s.kind]() for s in self.specs]
+        self._packed = None  # ctypes array of slot addresses, once the fast path is verified
+        self._capi = None
+        self._result = None
+        self._want_fast = fast
+        self._checked = False
+        self._lock = threading.Lock()
+        self.fast_reason: str | None = None  # why the fast path is off (None while on / untried)
+
+    @property
+    def is_fast(self) -> bool:
+        return self._packed is not None
+
+    def __call__(self, *values: Any) -> None:
+        if self._packed is not None:
+            with self._lock:
+                for cell, value in zip(self._cells, values):
+                    cell.value = value
+                self._capi(self._packed)
+                if self._result is not None and self._result.value != 0:
+                    raise RuntimeError(f"CuTe DSL kernel launch failed with CUDA error {self._result.value}")
+            return
+        if self._want_fast and not self._checked:
+            self._checked = True
+            self._first_call(values)
+            return
+        self.compiled(*dsl_args(self.specs, values))
+
+    def call_public(self, *values: Any) -> None:
+        """Launch through the DSL's public path (what the fast path must be equal to)."""
+        self.compiled(*dsl_args(self.specs, values))
+
+    # -- the one-time check ----------------------------------------------------------------------
+
+    def _first_call(self, values: Sequence[Any]) -> None:
+        objs = dsl_args(self.specs, values)
+        exe_args, _ = self.compiled.generate_execution_args(*objs)
+        self.compiled.run_compiled_program(list(exe_args))  # the real launch of this call
+        try:
+            self._enable_fast(values, exe_args)
+        except Exception as exc:  # internals moved: stay on the public path
+            self._disable(f"{type(exc).__name__}: {exc}")
+
+    def _disable(self, reason: str) -> None:
+        self._packed = None
+        self.fast_reason = reason
+        warnings.warn(f"cula fast kernel launch disabled, using the CuTe DSL call path ({reason})",
+                      RuntimeWarning, stacklevel=4)
+
+    def _enable_fast(self, values: Sequence[Any], exe_args: Sequence[Any]) -> None:
+        if len(exe_args) != len(self.specs):
+            return self._disable(f"DSL packs {len(exe_args)} arguments, expected {len(self.specs)}")
+        for cell, value in zip(self._cells, values):
+            cell.value = value
+        for i, (arg, cell) in enumerate(zip(exe_args, self._cells)):
+            addr = arg.value if isinstance(arg, ctypes.c_void_p) else int(arg)
+            size = ctypes.sizeof(cell)
+            if ctypes.string_at(addr, size) != ctypes.string_at(ctypes.addressof(cell), size):
+                return self._disable(f"argument {i} ({self.specs[i].kind}) is packed differently")
+        executor = self.compiled._default_executor
+        capi = executor.jit_module.capi_func
+        result = executor.cuda_result
+        tail = []
+        if result is not None:
+            tail.append(ctypes.addressof(result))
+        if executor.exec_context is not None:
+            tail += list(executor.exec_context.kernel_functions_ptrs)
+        slots = [ctypes.addressof(c) for c in self._cells] + tail
+        packed = (ctypes.c_void_p * len(slots))()
+        for i, addr in enumerate(slots):
+            packed[i] = addr if not isinstance(addr, ctypes.c_void_p) else addr.value
+        self._capi, self._result, self._packed = capi, result, packed
+
+
+def current_stream_handle(device_index: int) -> int:
+    """The raw ``cudaStream_t`` of torch's current stream on ``device_index`` (cheapest query first)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device_index))
+    return int(torch.cuda.current_stream(device_index).cuda_stream)

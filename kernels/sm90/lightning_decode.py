@@ -1,0 +1,363 @@
+"""Lightning Attention decode (T <= 8 tokens per sequence) on Hopper, state in registers for all tokens.
+
+Per value head, with the constant per-head decay ``lam = exp(-decay[hv])``::
+
+    S   = lam S + k_t v_t^T          (S: [K, V] fp32, K-first)
+    o_t = scale q_t^T S = lam (scale q_t)^T S_prev + (scale q_t . k_t) v_t
+
+so one warp reduction per token (``q^T S`` over K) gives the output. Numerics: fp32 throughout; the
+state is read once and written once per call, whatever T.
+
+Work split (as the KDA decode kernel, K-first): one CTA of 4 warps per (batch row, value head, 32 values
+of V); each warp owns 8 columns of V and all of K; lane = 2 * la + lb holds rows ``la*K/16 .. +K/16`` x
+4 columns, so a warp load covers 16 rows x 32 contiguous bytes and every state access is a 16-byte
+``ld.global.v4`` / ``st.global.v4``. The reduction over K runs over the 16 ``la`` lanes (shuffles only).
+Before the token loop the CTA stages scaled q, k, ``q.k`` and its 32 values of v per token in shared
+memory; the state loads are issued first so their latency covers that prologue.
+
+State pool: with ``state_indices`` row b reads slot ``state_indices[b]`` (negative: the row is skipped,
+its outputs are zero, its final state is zero when written out of place, and its slot is untouched);
+``inplace`` writes the new state back into that slot.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+import torch
+
+from cula.kernels.common.decode_host import (
+    ACT_DTYPES,
+    aligned,
+    check_pool,
+    cutlass_dtype,
+    dense,
+    expect_numel,
+    expect_shape,
+    new_final_state,
+    shape_of,
+    state_reason,
+)
+from cula.kernels.common.decode_tile import butterfly_sum, load1, vec, warp_sum
+from cula.kernels.common.fast_launch import ArgSpec, compile_launcher, current_stream_handle
+
+WARPS = 4
+THREADS = 32 * WARPS
+V_PER_WARP = 8  # columns of V a warp owns (x all of K)
+V_PER_CTA = V_PER_WARP * WARPS
+MAX_T = 8  # tokens per call (decode, MTP / speculative verification)
+HEAD_DIMS_K = (64, 128, 256)  # 16 lanes x K/16 rows per thread
+#: Flipped to True once tests/test_kernel_lightning_decode.py passed on the H200.
+GPU_VALIDATED = False
+
+
+class LightningDecode:
+    """Compile-time configuration of the Lightning decode kernel."""
+
+    def __init__(self, K: int, V: int, has_initial_state: bool, store_state: bool, inplace: bool,
+                 has_indices: bool):
+        assert K in HEAD_DIMS_K and V % V_PER_CTA == 0
+        self.K, self.V = K, V
+        self.has_h0 = has_initial_state
+        self.store_state = store_state
+        self.inplace = inplace
+        self.has_indices = has_indices
+        self.kpl = K // 32  # prologue: K elements per lane
+        self.rows = K // 16  # state rows per thread
+
+    @cute.jit
+    def __call__(
+        self,
+        pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pDecay: cute.Pointer,
+        pH0: cute.Pointer, pHt: cute.Pointer, pO: cute.Pointer, pIdx: cute.Pointer,
+        B: cutlass.Int32, T: cutlass.Int32, H: cutlass.Int32, HV: cutlass.Int32,
+        scale: cutlass.Float32,
+        stream,
+    ):
+        self.kernel(pQ, pK, pV, pDecay, pH0, pHt, pO, pIdx, T, H, HV, scale).launch(
+            grid=[self.V // V_PER_CTA, HV, B], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pDecay: cute.Pointer,
+        pH0: cute.Pointer, pHt: cute.Pointer, pO: cute.Pointer, pIdx: cute.Pointer,
+        T: cutlass.Int32, H: cutlass.Int32, HV: cutlass.Int32, scale: cutlass.Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        vs, hv, b = cute.arch.block_idx()
+        slot = cutlass.Int64(b)
+        if cutlass.const_expr(self.has_indices):
+            slot = cutlass.Int64(load1(pIdx, b))
+        if slot >= 0:
+            self.run_row(pQ, pK, pV, pDecay, pH0, pHt, pO, tidx, vs, hv, b, slot, T, H, HV, scale)
+        else:
+            self.skip_row(pHt, pO, tidx, vs, hv, b, T, HV)
+
+    def lane_layout(self, tidx):
+        """(warp, lane, la, lb, first V column within the CTA) of this thread."""
+        warp = tidx // 32
+        lane = tidx % 32
+        la, lb = lane // 2, lane % 2
+        return warp, lane, la, lb, warp * V_PER_WARP + lb * 4
+
+    def tile_offset(self, la, v0, m: int):
+        """Element offset (within one head's state) of the thread's row ``m``, columns ``v0 .. v0+3``."""
+        return (la * self.rows + m) * self.V + v0
+
+    @cute.jit
+    def run_row(self, pQ, pK, pV, pDecay, pH0, pHt, pO, tidx, vs, hv, b, slot, T, H, HV, scale):
+        f32 = cutlass.Float32
+        K, V = self.K, self.V
+        rows = self.rows
+        warp, lane, la, lb, v0w = self.lane_layout(tidx)
+        v_cta = vs * V_PER_CTA
+        v0 = v_cta + v0w
+        hq = hv // (HV // H)
+
+        # ---- 1. state loads first
+        state = cute.make_rmem_tensor(cute.make_layout((4, rows), stride=(1, 4)), f32)
+        kv = K * V
+        head_in = (slot * HV + hv) * kv
+        if cutlass.const_expr(self.has_h0):
+            for m in cutlass.range_constexpr(rows):
+                cute.autovec_copy(vec(pH0, head_in + self.tile_offset(la, v0, m), 4, 4), state[None, m])
+        else:
+            for e in cutlass.range_constexpr(4 * rows):
+                state[e] = f32(0.0)
+
+        # ---- 2. prologue: scale*q, k, q.k and the CTA's v per token in shared memory
+        smem = cutlass.utils.SmemAllocator()
+        sQ = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
+        sK = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
+        sV = smem.allocate_tensor(f32, cute.make_layout((MAX_T, V_PER_CTA), stride=(V_PER_CTA, 1)), 16)
+        sQK = smem.allocate_tensor(f32, cute.make_layout(MAX_T), 16)
+        lam = cute.math.exp(-load1(pDecay, hv).to(f32))
+
+        kpl = self.kpl
+        kk = lane * kpl
+        for t in cutlass.range(T, unroll=1):
+            if t % WARPS == warp:
+                row_q = (cutlass.Int64(b) * T + t) * H + hq
+                row_v = (cutlass.Int64(b) * T + t) * HV + hv
+                qr = cute.make_rmem_tensor(cute.make_layout(kpl), pQ.dtype)
+                kr = cute.make_rmem_tensor(cute.make_layout(kpl), pK.dtype)
+                cute.autovec_copy(vec(pQ, row_q * K + kk, kpl, kpl), qr)
+                cute.autovec_copy(vec(pK, row_q * K + kk, kpl, kpl), kr)
+                qk = f32(0.0)
+                for j in cutlass.range_constexpr(kpl):
+                    qj = qr[j].to(f32) * scale
+                    kj = kr[j].to(f32)
+                    qk = qk + qj * kj
+                    sQ[t, kk + j] = qj
+                    sK[t, kk + j] = kj
+                qk = warp_sum(qk)
+                sV[t, lane] = load1(pV, row_v * V + v_cta + lane).to(f32)
+                if lane == 0:
+                    sQK[t] = qk
+        cute.arch.sync_threads()
+
+        # ---- 3. the tokens, in order
+        for t in cutlass.range(T, unroll=1):
+            kq = cute.make_rmem_tensor(cute.make_layout(rows), f32)
+            qq = cute.make_rmem_tensor(cute.make_layout(rows), f32)
+            vv = cute.make_rmem_tensor(cute.make_layout(4), f32)
+            off = t * K + la * rows
+            cute.autovec_copy(vec(sK.iterator, off, rows, 4), kq)
+            cute.autovec_copy(vec(sQ.iterator, off, rows, 4), qq)
+            cute.autovec_copy(vec(sV.iterator, t * V_PER_CTA + v0w, 4, 4), vv)
+            red = cute.make_rmem_tensor(cute.make_layout(4), f32)  # q^T S' per column
+            for j in cutlass.range_constexpr(4):
+                red[j] = f32(0.0)
+            for m in cutlass.range_constexpr(rows):
+                for j in cutlass.range_constexpr(4):
+                    s = state[j, m] * lam
+                    red[j] = red[j] + qq[m] * s
+                    state[j, m] = s + kq[m] * vv[j]
+            butterfly_sum(red, 4, (2, 4, 8, 16))
+            if la == 0:
+                qk = sQK[t]
+                o = cute.make_rmem_tensor(cute.make_layout(4), pO.dtype)
+                for j in cutlass.range_constexpr(4):
+                    o[j] = (red[j] + qk * vv[j]).to(pO.dtype)
+                row_v = (cutlass.Int64(b) * T + t) * HV + hv
+                cute.autovec_copy(o, vec(pO, row_v * V + v0, 4, 4))
+
+        # ---- 4. write the state back
+        if cutlass.const_expr(self.store_state):
+            head_out = (cutlass.Int64(b) * HV + hv) * kv
+            if cutlass.const_expr(self.inplace):
+                head_out = head_in
+            for m in cutlass.range_constexpr(rows):
+                cute.autovec_copy(state[None, m], vec(pHt, head_out + self.tile_offset(la, v0, m), 4, 4))
+
+    @cute.jit
+    def skip_row(self, pHt, pO, tidx, vs, hv, b, T, HV):
+        """A skipped row (negative slot): zero outputs, zero out-of-place final state, slot untouched."""
+        f32 = cutlass.Float32
+        warp, lane, la, lb, v0w = self.lane_layout(tidx)
+        v0 = vs * V_PER_CTA + v0w
+        zo = cute.make_rmem_tensor(cute.make_layout(4), pO.dtype)
+        for j in cutlass.range_constexpr(4):
+            zo[j] = f32(0.0).to(pO.dtype)
+        if la == 0:
+            for t in cutlass.range(T, unroll=1):
+                row_v = (cutlass.Int64(b) * T + t) * HV + hv
+                cute.autovec_copy(zo, vec(pO, row_v * self.V + v0, 4, 4))
+        if cutlass.const_expr(self.store_state and not self.inplace):
+            zs = cute.make_rmem_tensor(cute.make_layout(4), f32)
+            for j in cutlass.range_constexpr(4):
+                zs[j] = f32(0.0)
+            head_out = (cutlass.Int64(b) * HV + hv) * (self.K * self.V)
+            for m in cutlass.range_constexpr(self.rows):
+                cute.autovec_copy(zs, vec(pHt, head_out + self.tile_offset(la, v0, m), 4, 4))
+
+
+# ------------------------------------------------------------------------------------------------ host
+
+_cache: dict[tuple, Any] = {}
+
+
+def _specs(dtypes: tuple) -> tuple[ArgSpec, ...]:
+    """ArgSpecs for the torch dtypes of (q, k, v, decay, o, state_indices)."""
+    dq, dk, dv, dd, do, di = (cutlass_dtype(d) for d in dtypes)
+    f32 = cutlass_dtype(torch.float32)
+    ptrs = (dq, dk, dv, dd, f32, f32, do, di)
+    return (*(ArgSpec("ptr", d) for d in ptrs), *(ArgSpec("i32") for _ in range(4)),
+            ArgSpec("f32"), ArgSpec("stream"))
+
+
+def _launcher(key: tuple):
+    hit = _cache.get(key)
+    if hit is None:
+        config, dtypes = key
+        hit = compile_launcher(LightningDecode(*config), _specs(dtypes))
+        _cache[key] = hit
+    return hit
+
+
+def _dims(q, k, v) -> tuple[int, int, int, int, int, int]:
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q: expected a 4-D tensor [B, T, H, K], got {shape_of(q)}")
+    B, T, H, K = q.shape
+    expect_shape("k", k, (B, T, H, K), "[B, T, H, K]")
+    if not isinstance(v, torch.Tensor) or v.dim() != 4 or tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"v: expected shape [B, T, HV, V] with B, T = {B}, {T}, got {shape_of(v)}")
+    HV, V = v.shape[2], v.shape[3]
+    if H == 0 or HV % H:
+        raise ValueError(f"v: expected HV (dim 2) a multiple of H = {H}, got HV = {HV}")
+    return B, T, H, K, HV, V
+
+
+def supports(
+    q=None, k=None, v=None, decay=None, scale=None, initial_state=None, output_final_state=False,
+    state_indices=None, inplace=False, **_: Any,
+) -> str | None:
+    """None when :func:`lightning_decode` can run these inputs on the GPU, else the reason it cannot."""
+    if not GPU_VALIDATED:
+        return "not validated on GPU yet"
+    tensors = [x for x in (q, k, v, decay, initial_state, state_indices) if x is not None]
+    if any(not isinstance(x, torch.Tensor) or x.device.type != "cuda" for x in tensors):
+        return "the kernel takes CUDA tensors"
+    if q.dim() != 4 or v.dim() != 4:
+        return "the kernel takes [B, T, H, K] / [B, T, HV, V] inputs"
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if K not in HEAD_DIMS_K:
+        return f"the kernel is built for K in {HEAD_DIMS_K}, got K = {K}"
+    if V % V_PER_CTA or V == 0:
+        return f"the kernel needs V a multiple of {V_PER_CTA}, got V = {V}"
+    if not 1 <= T <= MAX_T:
+        return f"the decode kernel takes 1..{MAX_T} tokens per sequence, got T = {T}"
+    if H == 0 or HV % H:
+        return f"HV = {HV} is not a multiple of H = {H}"
+    for name, x in (("q", q), ("k", k), ("v", v), ("decay", decay)):
+        if x is not None and x.dtype not in ACT_DTYPES:
+            return f"{name} is {x.dtype}; the kernel takes {', '.join(map(str, ACT_DTYPES))}"
+    return state_reason(initial_state)
+
+
+def lightning_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    state_indices: torch.Tensor | None = None,
+    inplace: bool = False,
+    *,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Lightning Attention decode step(s) on the GPU (``S = exp(-decay) S + k^T v``, ``o = scale q S``).
+
+    Args:
+        q, k: ``[B, T, H, K]`` (T <= 8), bf16 / fp16 / fp32.
+        v: ``[B, T, HV, V]``, ``HV`` a multiple of ``H`` (GVA).
+        decay: ``[HV]`` decay rates (the per-token factor is ``exp(-decay)``).
+        scale: defaults to ``K ** -0.5``.
+        initial_state: fp32 ``[B, HV, K, V]``, or a pool ``[P, HV, K, V]`` with ``state_indices``;
+            None = zero states.
+        state_indices: ``[B]`` int32/int64 pool slot per row; negative = skip the row.
+        inplace: write the new states into ``initial_state`` (the pool) and return it as final state.
+        out: optional ``[B, T, HV, V]`` output buffer (dtype of v), for allocation-free CUDA graphs.
+    Returns:
+        ``o: [B, T, HV, V]`` (dtype of v) and the final state: the pool when ``inplace``, a new fp32
+        ``[B, HV, K, V]`` tensor when ``output_final_state``, else None.
+    """
+    B, T, H, K, HV, V = _dims(q, k, v)
+    expect_numel("decay", decay, HV, "one decay rate per value head")
+    check_pool(initial_state, state_indices, inplace, B, (HV, K, V), "HV, K, V")
+    reason = supports(q, k, v, decay, scale, initial_state, output_final_state, state_indices, inplace)
+    if reason is not None and reason != "not validated on GPU yet":
+        raise ValueError(f"lightning_decode: unsupported inputs ({reason})")
+
+    q, k, v, decay = dense(q), dense(k), dense(v), dense(decay)
+    if out is None:
+        o = torch.empty_like(v)
+    else:
+        if tuple(out.shape) != tuple(v.shape) or out.dtype != v.dtype or not out.is_contiguous() or not aligned(out):
+            raise ValueError(f"out: expected a contiguous 16-byte aligned {v.dtype} tensor of shape "
+                             f"{list(v.shape)}, got {shape_of(out)}")
+        o = out
+    store = bool(inplace or output_final_state)
+    ht = new_final_state(initial_state, output_final_state, inplace, (B, HV, K, V), q.device)
+    if B == 0:
+        return o, ht
+    idx_dtype = state_indices.dtype if state_indices is not None else torch.int32
+    config = (K, V, initial_state is not None, store, bool(inplace), state_indices is not None)
+    dtypes = (q.dtype, k.dtype, v.dtype, decay.dtype, o.dtype, idx_dtype)
+    launch = _launcher((config, dtypes))
+    launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(),
+           0 if initial_state is None else initial_state.data_ptr(), 0 if ht is None else ht.data_ptr(),
+           o.data_ptr(), 0 if state_indices is None else state_indices.data_ptr(),
+           B, T, H, HV, float(K ** -0.5 if scale is None else scale), current_stream_handle(q.device.index))
+    return o, (ht if store else None)
+
+
+# ------------------------------------------------------------------------------------------ CPU checks
+
+
+def compile_targets():
+    """PTX-check targets (``cula.kernels.common.ptx_check``)."""
+    from cula.kernels.common.fast_launch import compile_args
+
+    bf16, f32, i32 = torch.bfloat16, torch.float32, torch.int32
+
+    def build(K=128, V=128, dtypes=(bf16, bf16, bf16, f32, bf16, i32), **flags):
+        cfg = {**dict(has_initial_state=True, store_state=True, inplace=True, has_indices=True), **flags}
+
+        def make():
+            return LightningDecode(K, V, **cfg), compile_args(_specs(dtypes))
+        return make
+
+    return {
+        "default": build(),
+        "out_of_place": build(inplace=False, has_indices=False),
+        "fp32_k64": build(64, 64, (f32, f32, f32, f32, f32, torch.int64)),
+    }
