@@ -1,9 +1,11 @@
 """CP over real process groups: gloo, 2 and 4 processes on the CPU, against the single-process result.
 
-One spawn per world size runs every case (spawning costs seconds; the cases take milliseconds): each rank
-builds its context from the global ``cu_seqlens``, runs the CP op on its slice, and the pieces are gathered
-with ``gather_tokens`` / ``gather_final_state``; rank 0 compares them with the unsplit reference and
-writes the relative errors, which the tests below check. Tolerance as in test_cp_emulate.py (fp64).
+One spawn of 4 processes runs every case (spawning costs seconds; the cases take milliseconds), first on
+the whole group (W = 4), then on two sub-groups of 2 at once (ranks {0, 1} and {2, 3}: W = 2, and group
+ranks that differ from global ranks). Each rank builds its context from the global ``cu_seqlens``, runs
+the CP op on its slice, and the pieces are gathered with ``gather_tokens`` / ``gather_final_state``; the
+group's rank 0 compares them with the unsplit reference and writes the relative errors, which the tests
+below check. Tolerance as in test_cp_emulate.py (fp64).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from _cp_cases import DIST_CASES, LOCAL_FNS, Case, make_inputs, oracle, rel_err
 
 TOL = 1e-8
-WORLD_SIZES = (2, 4)
+GROUPS = ("W4", "W2-ranks01", "W2-ranks23")
 SCANS = ("allgather", "ring")
 TOKEN_ARGS = {"lightning": ("q", "k", "v"), "kda": ("q", "k", "v", "g", "beta")}
 GRAD_CASES = (
@@ -54,23 +56,23 @@ def _global_cu(case: Case, inputs: dict) -> torch.Tensor:
     return torch.arange(B + 1, dtype=torch.int64) * T
 
 
-def _forward_case(case: Case, scan: str, rank: int, results: dict) -> None:
+def _forward_case(case: Case, scan: str, group, results: dict) -> None:
     import torch.distributed as dist
 
     from cula.cp import build_cp_context, gather_final_state, gather_tokens
 
     inputs = make_inputs(case)  # same seed on every rank: the global input
-    ctx = build_cp_context(_global_cu(case, inputs), dist.group.WORLD, scan=scan)
+    ctx = build_cp_context(_global_cu(case, inputs), group, scan=scan)
     o_local, s_local = _cp_op(case.variant)(**_local_inputs(case, inputs, ctx), output_final_state=True,
                                            cp_context=ctx, local_fn=LOCAL_FNS[case.variant])
     o = gather_tokens(o_local, ctx)
     s = gather_final_state(s_local, ctx, inputs.get("initial_state"))
-    if rank == 0:
+    if dist.get_rank(group) == 0:
         o_ref, s_ref = oracle(case, inputs)
         results[(case.name, scan)] = (rel_err(o.reshape(o_ref.shape), o_ref), rel_err(s, s_ref))
 
 
-def _grad_case(case: Case, rank: int, results: dict) -> None:
+def _grad_case(case: Case, group, results: dict) -> None:
     """Backward through the all-gather scan: every rank's local loss, summed, is the single-process loss."""
     import torch.distributed as dist
 
@@ -78,7 +80,7 @@ def _grad_case(case: Case, rank: int, results: dict) -> None:
 
     names = list(TOKEN_ARGS[case.variant]) + ["initial_state"] + (["decay"] if case.variant == "lightning" else [])
     inputs = make_inputs(case)
-    ctx = build_cp_context(inputs["cu_seqlens"], dist.group.WORLD)
+    ctx = build_cp_context(inputs["cu_seqlens"], group)
     local = _local_inputs(case, inputs, ctx)
     for n in names:
         local[n] = local[n].detach().requires_grad_(True)
@@ -86,7 +88,8 @@ def _grad_case(case: Case, rank: int, results: dict) -> None:
                                            local_fn=LOCAL_FNS[case.variant])
     start, end = ctx.token_range
     total = ctx.offsets[-1]
-    weight = torch.linspace(-1, 1, total * o_local[0, 0].numel(), dtype=torch.float64).view(1, total, *o_local.shape[2:])
+    per_token = o_local[0, 0].numel()
+    weight = torch.linspace(-1, 1, total * per_token, dtype=torch.float64).view(1, total, *o_local.shape[2:])
     owned = s_local[:-1] if ctx.carries_out else s_local  # each sequence's state counted once, where it ends
     ((o_local * weight[:, start:end]).sum() + owned.square().sum()).backward()
     grads = {}
@@ -95,10 +98,10 @@ def _grad_case(case: Case, rank: int, results: dict) -> None:
         if n in TOKEN_ARGS[case.variant]:
             grads[n] = gather_tokens(g, ctx)
         else:  # parameters replicated on every rank: their gradients add up
-            dist.all_reduce(g)
+            dist.all_reduce(g, group=group)
             grads[n] = g
 
-    if rank == 0:
+    if dist.get_rank(group) == 0:
         for n in names:
             inputs[n] = inputs[n].detach().requires_grad_(True)
         o_ref, s_ref = oracle(case, inputs)
@@ -106,7 +109,7 @@ def _grad_case(case: Case, rank: int, results: dict) -> None:
         results[(case.name, "grad")] = max(rel_err(grads[n], inputs[n].grad) for n in names)
 
 
-def _fla_context_case(rank: int, results: dict) -> None:
+def _fla_context_case(group, results: dict) -> None:
     """An FLA ``build_cp_context`` object drives cula's CP op the same way (drop-in)."""
     import torch.distributed as dist
     from fla.ops.cp import build_cp_context as fla_build_cp_context
@@ -116,69 +119,68 @@ def _fla_context_case(rank: int, results: dict) -> None:
     case = DIST_CASES[4]  # kda-varlen, without the initial state FLA's CP does not take
     inputs = make_inputs(case)
     inputs.pop("initial_state")
-    fla_ctx = fla_build_cp_context(inputs["cu_seqlens"], group=dist.group.WORLD)
-    ours = build_cp_context(inputs["cu_seqlens"], dist.group.WORLD)
+    fla_ctx = fla_build_cp_context(inputs["cu_seqlens"], group=group)
+    ours = build_cp_context(inputs["cu_seqlens"], group)
     o_local, _ = _cp_op("kda")(**_local_inputs(case, inputs, ours), cp_context=fla_ctx, local_fn=LOCAL_FNS["kda"])
     o = gather_tokens(o_local, ours)
-    if rank == 0:
+    if dist.get_rank(group) == 0:
         results[("fla-context", "allgather")] = (rel_err(o, oracle(case, inputs)[0]), 0.0)
 
 
-def _worker(rank: int, world_size: int, init_file: str, result_file: str) -> None:
+def _worker(rank: int, init_file: str, result_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # 2 cores shared by all processes
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4,
                             timeout=datetime.timedelta(seconds=SPAWN_TIMEOUT_S))
     try:
-        results: dict = {}
-        for case in DIST_CASES:
-            for scan in SCANS:
-                _forward_case(case, scan, rank, results)
-        for case in GRAD_CASES:
-            _grad_case(case, rank, results)
-        _fla_context_case(rank, results)
-        if rank == 0:
-            torch.save(results, result_file)
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+        for name, group in (("W4", dist.group.WORLD), (f"W2-ranks{2 * (rank // 2)}{2 * (rank // 2) + 1}",
+                                                       pairs[rank // 2])):
+            results: dict = {}
+            for case in DIST_CASES:
+                for scan in SCANS:
+                    _forward_case(case, scan, group, results)
+            for case in GRAD_CASES:
+                _grad_case(case, group, results)
+            _fla_context_case(group, results)
+            if dist.get_rank(group) == 0:
+                torch.save(results, os.path.join(result_dir, f"{name}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(world_size: int) -> dict:
+@pytest.fixture(scope="module")
+def gloo_runs() -> dict[str, dict]:
+    """Spawn the 4 ranks once; the results of each group by name."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        init_file, result_file = os.path.join(tmp, "init"), os.path.join(tmp, "results.pt")
-        procs = mp.spawn(_worker, args=(world_size, init_file, result_file), nprocs=world_size, join=False)
+        procs = mp.spawn(_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=4, join=False)
         deadline = time.monotonic() + SPAWN_TIMEOUT_S
         while not procs.join(timeout=1):
             if time.monotonic() > deadline:
                 for p in procs.processes:
                     p.terminate()
-                pytest.fail(f"gloo CP run with {world_size} processes did not finish in {SPAWN_TIMEOUT_S} s")
-        return torch.load(result_file)
+                pytest.fail(f"gloo CP run did not finish in {SPAWN_TIMEOUT_S} s")
+        return {name: torch.load(os.path.join(tmp, f"{name}.pt")) for name in GROUPS}
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
-def gloo_results(request) -> tuple[int, dict]:
-    return request.param, _spawn(request.param)
-
-
+@pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("scan", SCANS)
 @pytest.mark.parametrize("case", DIST_CASES, ids=lambda c: c.name)
-def test_gloo_equals_single_process(gloo_results, case, scan):
-    _, results = gloo_results
-    err_o, err_state = results[(case.name, scan)]
+def test_gloo_equals_single_process(gloo_runs, group, case, scan):
+    err_o, err_state = gloo_runs[group][(case.name, scan)]
     assert err_o < TOL
     assert err_state < TOL
 
 
+@pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("case", GRAD_CASES, ids=lambda c: c.name)
-def test_gloo_gradients(gloo_results, case):
-    _, results = gloo_results
-    assert results[(case.name, "grad")] < TOL
+def test_gloo_gradients(gloo_runs, group, case):
+    assert gloo_runs[group][(case.name, "grad")] < TOL
 
 
-def test_gloo_accepts_fla_context(gloo_results):
-    _, results = gloo_results
-    assert results[("fla-context", "allgather")][0] < TOL
+@pytest.mark.parametrize("group", GROUPS)
+def test_gloo_accepts_fla_context(gloo_runs, group):
+    assert gloo_runs[group][("fla-context", "allgather")][0] < TOL

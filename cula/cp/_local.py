@@ -20,7 +20,7 @@ _LOCAL_OPS = {
 _warned_fallback: set[str] = set()
 
 
-def _import(module: str, name: str) -> LocalFn | None:
+def import_attr(module: str, name: str) -> LocalFn | None:
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
@@ -34,10 +34,10 @@ def default_local_fn(variant: str) -> LocalFn:
     importable, the torch reference ``cula.ref.<variant>.chunked`` is used, with one warning.
     """
     (pub_mod, pub_name), (ref_mod, ref_name) = _LOCAL_OPS[variant]
-    fn = _import(pub_mod, pub_name)
+    fn = import_attr(pub_mod, pub_name)
     if fn is not None:
         return fn
-    fn = _import(ref_mod, ref_name)
+    fn = import_attr(ref_mod, ref_name)
     if fn is None:
         raise ImportError(f"cula.cp: neither {pub_mod}.{pub_name} nor {ref_mod}.{ref_name} is importable")
     if variant not in _warned_fallback:

@@ -167,7 +167,9 @@ def _check_offsets(offsets: Sequence[int], total_tokens: int, world_size: int) -
             f"offsets: expected {world_size + 1} token offsets from 0 to {total_tokens}, got {list(offsets)}"
         )
     if any(b <= a for a, b in zip(offsets[:-1], offsets[1:])):
-        raise ValueError(f"offsets: expected strictly increasing offsets (every rank holds >= 1 token), got {list(offsets)}")
+        raise ValueError(
+            f"offsets: expected strictly increasing offsets (every rank holds >= 1 token), got {list(offsets)}"
+        )
     return offsets
 
 

@@ -307,8 +307,10 @@ def emulate_chunk_kda(
     check_global_cu_seqlens(cu_seqlens)
     contexts = emulated_contexts(cu_seqlens, world_size, offsets)
 
-    passes = [_local_pass({n: split_tokens(x, c) for n, x in tokens.items()}, initial_state, output_final_state, c, call)
-              for c in contexts]
+    passes = [
+        _local_pass({n: split_tokens(x, c) for n, x in tokens.items()}, initial_state, output_final_state, c, call)
+        for c in contexts
+    ]
     h0s = emulated_initial_states([(m, b) for _, m, b in passes], contexts)
     results = [_finish(r, h0, None, output_final_state, state_v_first) for (r, _, _), h0 in zip(passes, h0s)]
     o = concat_tokens([r[0] for r in results])

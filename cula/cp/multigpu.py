@@ -67,9 +67,9 @@ def local_op(variant: str, impl: str) -> Callable:
 
         return fla_lightning
     if impl == "ref":
-        from cula.cp._local import _import
+        from cula.cp._local import import_attr
 
-        return _import(f"cula.ref.{variant}", "chunked")
+        return import_attr(f"cula.ref.{variant}", "chunked")
     raise ValueError(f"impl: expected cula, fla, fla-native or ref, got {impl!r}")
 
 
@@ -183,7 +183,8 @@ def _check(args, variant: str, rank: int, world_size: int, device) -> list[dict]
         op = local_op(variant, args.impl)
         o_one, s_one = op(**inputs, output_final_state=True, cu_seqlens=cu)
         o_ref, s_ref = reference(variant)(**inputs, output_final_state=True, cu_seqlens=cu)
-        e = dict(o_cp=_rel_l2(o, o_ref), o_one=_rel_l2(o_one, o_ref), s_cp=_rel_l2(s, s_ref), s_one=_rel_l2(s_one, s_ref),
+        e = dict(o_cp=_rel_l2(o, o_ref), o_one=_rel_l2(o_one, o_ref),
+                 s_cp=_rel_l2(s, s_ref), s_one=_rel_l2(s_one, s_ref),
                  o_cp_vs_one=_rel_l2(o, o_one), s_cp_vs_one=_rel_l2(s, s_one), o_max_abs=_max_abs(o, o_one),
                  s_max_abs=_max_abs(s, s_one))
         tol_o, tol_s = 2 * e["o_one"] + 1e-3, 2 * e["s_one"] + 1e-3
@@ -316,7 +317,8 @@ def markdown(rows: list[dict], args) -> str:
         if not scal:
             continue
         ws = sorted({r["world_size"] for r in scal})
-        lines += [f"### {variant}", "", "| T | " + " | ".join(f"W={w} ms (speedup)" for w in ws) + " | ns/token at max W |",
+        header = " | ".join(f"W={w} ms (speedup)" for w in ws)
+        lines += [f"### {variant}", "", f"| T | {header} | ns/token at max W |",
                   "|---:|" + "---:|" * (len(ws) + 1)]
         for T in sorted({r["T"] for r in scal}):
             by_w = {r["world_size"]: r for r in scal if r["T"] == T}
@@ -332,7 +334,8 @@ def markdown(rows: list[dict], args) -> str:
     checks = [r for r in rows if r["kind"] == "check"]
     if checks:
         lines += ["### Correctness (relative L2 vs the fp32 reference)", "",
-                  "| variant | input | W | o: CP | o: one GPU | state: CP | state: one GPU | CP vs one GPU (o) | result |",
+                  "| variant | input | W | o: CP | o: one GPU | state: CP | state: one GPU | CP vs one GPU (o) "
+                  "| result |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in checks:
             lines.append(f"| {r['variant']} | {r['layout']} {r['lens']} | {r['world_size']} | {r['o_cp']:.2e} | "
