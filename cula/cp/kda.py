@@ -35,8 +35,6 @@ from cula.cp.context import CPContext, check_global_cu_seqlens, emulated_context
 from cula.cp.gather import assemble_final_state, concat_tokens, split_tokens
 from cula.cp.scan import emulated_initial_states, exclusive_scan, inputs_require_grad, scan_dtype
 
-# chunk_kda arguments that are per token (sliced along T); everything else passes through unchanged.
-_TOKEN_ARGS = ("q", "k", "v", "g", "beta")
 # chunk_kda arguments CP cannot honour when set.
 _UNSUPPORTED = ("return_intermediate_states", "use_graph")
 
