@@ -247,3 +247,29 @@ def test_fit_kwargs_refuses_to_drop_a_flag():
     assert fit_kwargs(op, {"q": 1, "k": 2, "v": 3, "cu_seqlens_cpu": None, "safe_gate": False}) == {"q": 1, "k": 2, "v": 3}
     with pytest.raises(Unavailable, match="safe_gate=True"):
         fit_kwargs(op, {"q": 1, "k": 2, "v": 3, "safe_gate": True})
+
+
+def test_fla_and_cula_kwargs_bind_to_the_real_signatures():
+    """Every op the fla/cula/ref impls call accepts the arguments the runner builds (checked by
+    binding to inspect.signature on CPU, since the Triton kernels themselves need a GPU)."""
+    import inspect
+
+    from cula.bench.impls import OPS, _load, kind_of
+
+    seen = set()
+    for cfg in load_suite("smoke").configs:
+        key = (cfg.variant, kind_of(cfg.phase), cfg.mode)
+        if key in seen:
+            continue
+        seen.add(key)
+        inputs = build_inputs(cfg, "cpu")
+        for impl, api in (("fla", "fla"), ("cula", "public"), ("ref", "ref")):
+            module, name = OPS[(cfg.variant, kind_of(cfg.phase))][impl]
+            fn = _load(module, name)
+            kw = fit_kwargs(fn, op_kwargs(inputs, api))
+            inspect.signature(fn).bind(**kw)  # raises TypeError on a wrong name
+            if impl == "fla" and cfg.variant == "lightning":
+                assert torch.equal(kw["g_gamma"], -inputs.tensors["decay"])
+            if cfg.variant == "kda" and impl != "ref" and kind_of(cfg.phase) == "decode":
+                assert "safe_gate" not in kw  # fused_recurrent_* bound the gate by lower_bound alone
+    assert len(seen) >= 6

@@ -151,3 +151,44 @@ def test_bench_cpu_fallback_end_to_end(tmp_path, monkeypatch):
 
     assert len(rows) == 2 * len(load_suite("smoke").select("fixed"))  # every fixed smoke config x 2 impls
     assert any(r.status == "ok" for r in rows)
+
+
+def test_kill_9_loses_at_most_the_config_in_flight(tmp_path):
+    """A real `cula bench` process killed with SIGKILL mid-run: the stored parts stay readable and
+    `--resume` finishes the run without redoing them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from cula.bench.store import Store
+
+    if torch.cuda.is_available():
+        pytest.skip("uses the CPU smoke grid")
+    env = dict(os.environ, CULA_CPU_RESULTS_DIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "cula.cli.app", "bench", "--suite", "smoke", "--mode", "fixed",
+           "--impl", "ref", "--max-time", "0.3", "--plain"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not list(tmp_path.glob("*/part-00001.parquet")):
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    store = Store(tmp_path)
+    (run_id,) = store.list_runs()
+    assert not store.bundle_path(run_id).exists(), "the run finished before it could be killed"
+    before = store.read_run(run_id).rows  # no corrupt part: raises otherwise
+    from cula.suites import load_suite
+
+    n = len(load_suite("smoke").select("fixed"))
+    assert 2 <= len(before) < n
+    res = invoke("bench", "--resume", run_id, "--results-dir", tmp_path, "--quick", "--plain")
+    assert res.exit_code == 0, res.output
+    assert f"{len(before)} configs already stored" in res.stdout
+    after = store.read_run(run_id).rows
+    assert len(after) == n and {(r.config_id, r.date) for r in before} <= {(r.config_id, r.date) for r in after}

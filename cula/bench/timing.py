@@ -1,7 +1,7 @@
 """Timing of one callable: eager launches and CUDA-graph replay, medians with a p20-p80 spread.
 
 On CUDA every timed call is bracketed by CUDA events and preceded by a write of a large buffer
-(``flush_bytes``, default 256 MiB, several times the H200's 60 MB L2) so no call starts with its inputs
+(``flush_bytes``, default 256 MiB, several times the size of an H100/H200 L2) so no call starts with its inputs
 already in L2 - the same discipline as ``triton.testing.do_bench``. The number of timed calls is
 capped both by count (``max_reps``) and by wall time (``max_time_s`` per impl and mode), so a suite
 has a predictable duration; at least ``min_reps`` calls are timed even when one call is slow.
@@ -66,6 +66,15 @@ def summarize(times_ms: list[float], note: str = "") -> Timing:
 def _short(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:160] if text else ''}".rstrip(": ")
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The first exception of a chain: a failed capture_end() hides the call that broke capture."""
+    seen = 0
+    while seen < 8 and (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return exc
 
 
 class Timer:
@@ -138,7 +147,10 @@ class Timer:
             with torch.cuda.graph(graph):
                 fn()
         except Exception as exc:  # capture is best effort: record why and go on
-            reason = f"capture failed: {_short(exc)}"
+            root = _root_cause(exc)
+            reason = f"capture failed: {_short(root)}"
+            if root is not exc:
+                reason += f" (then {_short(exc)})"
             try:
                 torch.cuda.synchronize()
             except Exception as sync_exc:  # the context is unusable: stop the run, rows are kept
