@@ -92,14 +92,16 @@ def _usable(r: Row | None) -> bool:
 
 
 def _key_columns(rows: list[Row], mode: str) -> list[str]:
+    """Config fields that vary within the table (plus B and T for fixed prefill tables)."""
     cols = []
     for f in _KEY_FIELDS:
         if len({getattr(r, f) for r in rows}) > 1:
             cols.append(f)
+    if "HV" in cols and all(r.HV == r.H for r in rows):
+        cols.remove("HV")  # HV only moves with H: one column says it
     if mode == "fixed":
-        for f in ("B", "T"):
-            if f not in cols:
-                cols.append(f)
+        always = ("B",) if all(r.phase == "decode" for r in rows) else ("B", "T")
+        cols += [f for f in always if f not in cols]
         cols = [c for c in _KEY_FIELDS if c in cols]
     else:
         cols = [c for c in cols if c not in ("B", "T")]
@@ -269,7 +271,7 @@ def _roofline(groups: list[tuple[int, dict[str, Row]]], impls: list[str]) -> Tab
     return Table(headers, body, ["l"] + ["r"] * (len(headers) - 1))
 
 
-def _run_header(run_rows: list[Row]) -> dict[str, Any]:
+def _run_header(run_rows: list[Row], status: str) -> dict[str, Any]:
     r = max(run_rows, key=lambda x: x.date)
     settings = json.loads(r.settings_json or "{}")
     return {
@@ -278,7 +280,7 @@ def _run_header(run_rows: list[Row]) -> dict[str, Any]:
         "fla": r.fla, "python": r.python, "sha": r.cula_sha, "dirty": r.cula_dirty,
         "host": r.host_hash, "command": r.command, "ceil_tbps": f"{r.ceil_tbps:.2f}",
         "ceil_tflops": f"{r.ceil_tflops:.0f}", "settings": settings,
-        "suites": sorted({x.suite for x in run_rows}), "rows": len(run_rows),
+        "suites": sorted({x.suite for x in run_rows}), "rows": len(run_rows), "status": status,
     }
 
 
@@ -300,7 +302,7 @@ def render(sel: Selection, chart_file: str | None = None) -> str:
     runs = []
     for run_id in sorted(sel.runs):
         rows = [r for s in sel.suites if s.run_id == run_id for r in s.rows]
-        runs.append(_run_header(rows))
+        runs.append(_run_header(rows, str(sel.runs[run_id].meta.get("status", "unknown"))))
     flagged = sum(len(v.failures) for v in views)
     return _env().get_template("benchmark.md.j2").render(
         gpu=sel.gpu_kind, gpu_name=runs[0]["gpu"], runs=runs, suites=views, chart=chart_file,

@@ -273,3 +273,19 @@ def test_fla_and_cula_kwargs_bind_to_the_real_signatures():
             if cfg.variant == "kda" and impl != "ref" and kind_of(cfg.phase) == "decode":
                 assert "safe_gate" not in kw  # fused_recurrent_* bound the gate by lower_bound alone
     assert len(seen) >= 6
+
+
+def test_error_metrics_slice_by_slice(monkeypatch):
+    from cula.bench import correctness as c
+
+    monkeypatch.setattr(c, "_SLICE", 7)  # force many slices on a small tensor
+    x = torch.randn(5, 13, dtype=torch.float64)
+    r = x + 0.01 * torch.randn(5, 13, dtype=torch.float64)
+    assert c.rel_l2(x, r) == pytest.approx(((x - r).norm() / r.norm()).item(), rel=1e-12)
+    assert c.max_abs(x, r) == pytest.approx((x - r).abs().max().item())
+    x[2, 3] = float("nan")
+    assert math.isnan(c.rel_l2(x, r)) and math.isnan(c.max_abs(x, r))
+    ok, why = c.verdict(c.compare((x, None, None), (r, None, None)), {"o": 1e-2})
+    assert not ok and "o rel-L2 nan" in why
+    with pytest.raises(ValueError, match="shape mismatch"):
+        c.rel_l2(x, r[:2])

@@ -123,3 +123,11 @@ def test_render_is_deterministic_and_writes_chart(tmp_path):
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "![Speedup over FLA](BENCHMARK_H200_speedup.png)" in text
     assert md.read_text() == text == render(select(load_runs(tmp_path / "s")[0], "H200"), chart.name)
+
+
+def test_incomplete_run_is_labelled(tmp_path):
+    store_run(tmp_path, R1, make_rows(R1, limit=3), meta={"run_id": R1, "status": "interrupted"})
+    text = render(select(load_runs(tmp_path)[0], "H200"))
+    assert "run interrupted: not every config was measured" in text
+    store_run(tmp_path / "b", R1, make_rows(R1, limit=3))
+    assert "not every config" not in render(select(load_runs(tmp_path / "b")[0], "H200"))

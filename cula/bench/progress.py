@@ -96,7 +96,8 @@ class RichReporter(PlainReporter):
         self.console = Console()
         self.progress = Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                                 TextColumn("{task.description}"), console=self.console)
+                                 console=self.console)
+        self.current = ""
         self.task = None
         self.recent: list[tuple[str, list[Row]]] = []
         self.impls: list[str] = []
@@ -106,7 +107,8 @@ class RichReporter(PlainReporter):
         from rich.console import Group
         from rich.table import Table
 
-        table = Table(show_edge=False, header_style="bold")
+        table = Table(show_edge=False, header_style="bold",
+                      caption=f"running {self.current}" if self.current else None)
         table.add_column("config")
         for name in self.impls:
             table.add_column(f"{name} ms", justify="right")
@@ -139,11 +141,13 @@ class RichReporter(PlainReporter):
         self.live.start()
 
     def config_started(self, config_id: str) -> None:
-        if self.task is not None:
-            self.progress.update(self.task, description=config_id)
+        self.current = config_id
+        if self.live is not None:
+            self.live.update(self._render())
 
     def config_done(self, config_id: str, rows: list[Row]) -> None:
         self.done += 1
+        self.current = ""
         self.recent.append((config_id, rows))
         if self.task is not None:
             self.progress.advance(self.task)
