@@ -13,7 +13,6 @@ import os
 os.environ["FLA_FLASH_KDA"] = "0"
 
 import functools  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
