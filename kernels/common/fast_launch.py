@@ -109,12 +109,14 @@ class Launcher:
         self._checked = False
         self._lock = threading.Lock()
         self.fast_reason: str | None = None  # why the fast path is off (None while on / untried)
+        self._last_values: tuple = ()
 
     @property
     def is_fast(self) -> bool:
         return self._packed is not None
 
     def __call__(self, *values: Any) -> None:
+        self._last_values = values  # for overhead measurements (decode_bench)
         if self._packed is not None:
             with self._lock:
                 for cell, value in zip(self._cells, values):

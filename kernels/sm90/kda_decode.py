@@ -435,9 +435,18 @@ def supports(
     """None when :func:`kda_decode` can run these inputs on the GPU, else the reason it cannot."""
     if not GPU_VALIDATED:
         return "not validated on GPU yet"
-    tensors = [x for x in (q, k, v, g, beta, A_log, dt_bias, initial_state, state_indices) if x is not None]
-    if any(not isinstance(x, torch.Tensor) or x.device.type != "cuda" for x in tensors):
-        return "the kernel takes CUDA tensors"
+    return kernel_reason(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                         allow_neg_eigval, lower_bound, state_v_first, state_indices, inplace)
+
+
+def kernel_reason(
+    q=None, k=None, v=None, g=None, beta=None, A_log=None, dt_bias=None, scale=None, initial_state=None,
+    output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+    use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, state_v_first=False,
+    state_indices=None, inplace=False,
+) -> str | None:
+    """Why the kernel cannot take these (valid) inputs, or None: head dims, T, dtypes, device, state."""
     if q.dim() != 4 or v.dim() != 4:
         return "the kernel takes [B, T, H, K] / [B, T, HV, V] inputs"
     B, T, H, K = q.shape
@@ -450,6 +459,8 @@ def supports(
         return f"the decode kernel takes 1..{MAX_T} tokens per sequence, got T = {T}"
     if H == 0 or HV % H:
         return f"HV = {HV} is not a multiple of H = {H}"
+    if B > 65535 or HV > 65535:
+        return f"the grid takes at most 65535 rows and value heads, got B = {B}, HV = {HV}"
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log), ("dt_bias", dt_bias)):
         if x is not None and x.dtype not in ACT_DTYPES:
             return f"{name} is {x.dtype}; the kernel takes {', '.join(map(str, ACT_DTYPES))}"
@@ -457,6 +468,9 @@ def supports(
         return "the kernel takes a per-head beta [B, T, HV] (no head-wise [B, T, HV, V] beta)"
     if g is None or g.dim() != 4:
         return "the kernel takes g [B, T, HV, K]"
+    tensors = [x for x in (q, k, v, g, beta, A_log, dt_bias, initial_state, state_indices) if x is not None]
+    if any(not isinstance(x, torch.Tensor) or x.device.type != "cuda" for x in tensors):
+        return "the kernel takes CUDA tensors"
     reason = state_reason(initial_state)
     if reason is not None:
         return reason
@@ -519,10 +533,10 @@ def kda_decode(
         expect_numel("A_log", A_log, HV, "one per value head")
     if has_bias:
         expect_numel("dt_bias", dt_bias, HV * K, "HV * K")
-    reason = supports(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+    reason = kernel_reason(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                       use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                       allow_neg_eigval, lower_bound, state_v_first, state_indices, inplace)
-    if reason is not None and reason != "not validated on GPU yet":
+    if reason is not None:
         raise ValueError(f"kda_decode: unsupported inputs ({reason})")
 
     q, k, v, g, beta = dense(q), dense(k), dense(v), dense(g), dense(beta)
@@ -552,7 +566,8 @@ def kda_decode(
         return 0 if x is None else x.data_ptr()
 
     launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), ptr(a_log), ptr(bias),
-           ptr(initial_state), ptr(ht), o.data_ptr(), ptr(state_indices),
+           ptr(initial_state), ptr(ht), o.data_ptr(),
+           ptr(dense(state_indices) if state_indices is not None else None),
            B, T, H, HV, float(K ** -0.5 if scale is None else scale),
            float(lower_bound) if use_lb else 0.0, current_stream_handle(q.device.index))
     return o, (ht if store else None)

@@ -260,9 +260,14 @@ def supports(
     """None when :func:`lightning_decode` can run these inputs on the GPU, else the reason it cannot."""
     if not GPU_VALIDATED:
         return "not validated on GPU yet"
-    tensors = [x for x in (q, k, v, decay, initial_state, state_indices) if x is not None]
-    if any(not isinstance(x, torch.Tensor) or x.device.type != "cuda" for x in tensors):
-        return "the kernel takes CUDA tensors"
+    return kernel_reason(q, k, v, decay, scale, initial_state, output_final_state, state_indices, inplace)
+
+
+def kernel_reason(
+    q=None, k=None, v=None, decay=None, scale=None, initial_state=None, output_final_state=False,
+    state_indices=None, inplace=False,
+) -> str | None:
+    """Why the kernel cannot take these (valid) inputs, or None: head dims, T, dtypes, device, state."""
     if q.dim() != 4 or v.dim() != 4:
         return "the kernel takes [B, T, H, K] / [B, T, HV, V] inputs"
     B, T, H, K = q.shape
@@ -275,9 +280,14 @@ def supports(
         return f"the decode kernel takes 1..{MAX_T} tokens per sequence, got T = {T}"
     if H == 0 or HV % H:
         return f"HV = {HV} is not a multiple of H = {H}"
+    if B > 65535 or HV > 65535:
+        return f"the grid takes at most 65535 rows and value heads, got B = {B}, HV = {HV}"
     for name, x in (("q", q), ("k", k), ("v", v), ("decay", decay)):
         if x is not None and x.dtype not in ACT_DTYPES:
             return f"{name} is {x.dtype}; the kernel takes {', '.join(map(str, ACT_DTYPES))}"
+    tensors = [x for x in (q, k, v, decay, initial_state, state_indices) if x is not None]
+    if any(not isinstance(x, torch.Tensor) or x.device.type != "cuda" for x in tensors):
+        return "the kernel takes CUDA tensors"
     return state_reason(initial_state)
 
 
@@ -313,8 +323,8 @@ def lightning_decode(
     B, T, H, K, HV, V = _dims(q, k, v)
     expect_numel("decay", decay, HV, "one decay rate per value head")
     check_pool(initial_state, state_indices, inplace, B, (HV, K, V), "HV, K, V")
-    reason = supports(q, k, v, decay, scale, initial_state, output_final_state, state_indices, inplace)
-    if reason is not None and reason != "not validated on GPU yet":
+    reason = kernel_reason(q, k, v, decay, scale, initial_state, output_final_state, state_indices, inplace)
+    if reason is not None:
         raise ValueError(f"lightning_decode: unsupported inputs ({reason})")
 
     q, k, v, decay = dense(q), dense(k), dense(v), dense(decay)
@@ -335,7 +345,7 @@ def lightning_decode(
     launch = _launcher((config, dtypes))
     launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(),
            0 if initial_state is None else initial_state.data_ptr(), 0 if ht is None else ht.data_ptr(),
-           o.data_ptr(), 0 if state_indices is None else state_indices.data_ptr(),
+           o.data_ptr(), 0 if state_indices is None else dense(state_indices).data_ptr(),
            B, T, H, HV, float(K ** -0.5 if scale is None else scale), current_stream_handle(q.device.index))
     return o, (ht if store else None)
 
