@@ -284,6 +284,13 @@ def bench_case(case: DecodeCase, copy_rate: float, budget_bytes: int = 3 << 30) 
             row[f"{impl}_pct_copy"] = 100 * per_set / g / copy_rate
         except Exception as exc:  # keep the other impl's numbers
             row[f"{impl}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    try:  # the two implementations agree on this case (first input set)
+        o_c, s_c = cula_call(case, sets[0])()
+        o_f, s_f = fla_call(case, sets[0])()
+        row["rel_err_o_vs_fla"] = rel_err(o_c, o_f)
+        row["rel_err_state_vs_fla"] = rel_err(s_c, s_f)
+    except Exception as exc:
+        row["compare_error"] = f"{type(exc).__name__}: {exc}"[:300]
     if "cula_graph_us" in row and "fla_graph_us" in row:
         row["speedup_graph"] = row["fla_graph_us"] / row["cula_graph_us"]
         row["speedup_eager"] = row["fla_eager_us"] / row["cula_eager_us"]
