@@ -38,6 +38,47 @@ def test_compiles_to_clean_sm90a_ptx(target):
         assert rep.max_registers <= 128  # the launch cap of 2 CTAs x 256 threads
 
 
+def test_layout_facts_the_raw_pointer_passes_rely_on():
+    """P reuses the score registers; K^T is a canonical A tile; V rows are tokens; sO is row-major."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "cula.kernels.sm90.lightning_fwd_check", "--layout-facts"],
+                          capture_output=True, text=True, timeout=300)
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert facts["p_reuse_mismatches"] == 0
+    assert facts["kt_is_canonical_a"]
+    swizzle_bits = {"S<3,4,3>": 7, "S<2,4,3>": 3}
+    for vt in (32, 64):
+        assert facts[f"v_row_is_token_{vt}"]
+        assert facts[f"o_outer_row_major_{vt}"]
+        # the copy-out's byte swizzle is the one the sO layout (and stmatrix through it) uses
+        assert swizzle_bits[facts[f"o_swizzle_{vt}"]] == facts[f"kernel_swizzle_mask_{vt}"]
+        # in-row swizzle only (16-byte chunks permuted within a 2*Vt-byte row), as decay_v_tile assumes
+        assert swizzle_bits[facts[f"v_swizzle_{vt}"]] * 16 < 2 * vt * 8
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(B=2, T=200, H=2, state=True),
+    dict(B=1, T=0, H=2, HV=4, lengths=[0, 1, 63, 64, 65, 130, 0, 300], state=True),
+    dict(B=1, T=300, H=4, decay=torch.tensor([0.0, 0.03, 1.0, 12.0]), state=True),
+    dict(B=1, T=65, H=1, state=False),
+], ids=["fixed", "varlen-gva", "decay-0-and-12", "tail-no-state"])
+def test_chunk_algorithm_matches_reference(cfg):
+    """The kernel's chunk decomposition and bf16 roundings (emulated in torch, garbage past the
+    sequence ends) stay within the kernel's tolerance of the fp64 reference."""
+    from cula.kernels.sm90.lightning_fwd_check import emulate, make_inputs, ref_call, rel_err
+
+    inp = make_inputs(device="cpu", **cfg)
+    o, st = emulate(inp)
+    o_ref, st_ref = ref_call(inp)
+    assert torch.isfinite(o).all()
+    assert rel_err(o, o_ref) < O_TOL / 2
+    if inp["output_final_state"]:
+        assert rel_err(st, st_ref) < STATE_TOL / 2
+
+
 def test_compile_targets_listed():
     targets = lf.compile_targets()
     assert {"default", "state", "vt32"} <= set(targets)

@@ -30,12 +30,16 @@ def make_inputs(B: int, T: int, H: int, HV: int | None = None, lengths: list[int
                 state: bool = False, seed: int = 0, device: str = "cuda", decay: torch.Tensor | None = None):
     """Random bf16 q, k, v (unit-variance rows scaled like real activations), decays in (0, 1)."""
     HV = HV or H
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     if lengths is not None:
         B, T = 1, sum(lengths)
-    q = torch.randn(B, T, H, 128, generator=g).to(device, torch.bfloat16)
-    k = (torch.randn(B, T, H, 128, generator=g) * 128 ** -0.5).to(device, torch.bfloat16)
-    v = torch.randn(B, T, HV, 128, generator=g).to(device, torch.bfloat16)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(torch.bfloat16)
+
+    q = randn(B, T, H, 128)
+    k = randn(B, T, H, 128, scale=128 ** -0.5)
+    v = randn(B, T, HV, 128)
     if decay is None:
         # Lightning's per-head slopes: 2^(-8 h / HV), a spread from ~1 down to ~0.004
         decay = torch.tensor([2.0 ** (-8.0 * (h + 1) / HV) for h in range(HV)], dtype=torch.float32)
@@ -45,7 +49,7 @@ def make_inputs(B: int, T: int, H: int, HV: int | None = None, lengths: list[int
     if lengths is not None:
         cu = torch.tensor([0] + list(_cumsum(lengths)), dtype=torch.int32, device=device)
         N = len(lengths)
-    s0 = torch.randn(N, HV, 128, 128, generator=g).to(device) * 0.1 if state else None
+    s0 = torch.randn(N, HV, 128, 128, generator=g, device=device) * 0.1 if state else None
     return dict(q=q, k=k, v=v, decay=decay, scale=128 ** -0.5, initial_state=s0,
                 output_final_state=state, cu_seqlens=cu)
 
@@ -86,6 +90,131 @@ def ref_call(inp: dict):
 
     return chunked(inp["q"], inp["k"], inp["v"], inp["decay"], inp["scale"], inp["initial_state"],
                    inp["output_final_state"], inp["cu_seqlens"], dtype=torch.float64)
+
+
+def emulate(inp: dict, garbage: float = 1e3) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kernel's chunk algorithm in torch, with its bf16 roundings, on any device (CPU tests).
+
+    Per 64-token chunk with n valid tokens and gamma = exp(-decay):
+        P = bf16(scale * (Q K^T) * gamma^(i-j)) on j <= i, else 0
+        O = scale * gamma^(i+1) * (Q bf16(S)) + P V
+        S = gamma^n S + K^T bf16(w * V),   w_j = gamma^(n-1-j) for j < n, else 0
+    Rows past the sequence end are filled with ``garbage`` (the kernel's TMA reads the next sequence's
+    tokens there), so the masks are exercised.
+    """
+    q, k, v, decay = inp["q"], inp["k"], inp["v"], inp["decay"].float()
+    scale = inp["scale"]
+    B, T, H, _ = q.shape
+    HV = v.shape[2]
+    G = HV // H
+    cu = inp["cu_seqlens"]
+    bounds = ([(int(cu[i]), int(cu[i + 1])) for i in range(cu.numel() - 1)] if cu is not None
+              else [(b * T, (b + 1) * T) for b in range(B)])
+    qf = q.reshape(B * T, H, 128).repeat_interleave(G, dim=1).float()  # [BT, HV, 128]
+    kf = k.reshape(B * T, H, 128).repeat_interleave(G, dim=1).float()
+    vf = v.reshape(B * T, HV, 128).float()
+    o = torch.empty(B * T, HV, 128, dtype=torch.float32, device=q.device)
+    finals = []
+    log2g = -decay * 1.4426950408889634  # [HV]
+    idx = torch.arange(64, device=q.device, dtype=torch.float32)
+    causal = idx[:, None] >= idx[None, :]
+    bf = torch.bfloat16
+    gen = torch.Generator(device=q.device).manual_seed(123)
+    for n_seq, (bos, eos) in enumerate(bounds):
+        S = (inp["initial_state"][n_seq].float().clone() if inp["initial_state"] is not None
+             else torch.zeros(HV, 128, 128, device=q.device))
+        for c0 in range(bos, eos, 64):
+            n = min(64, eos - c0)
+
+            def tile(x):
+                t = torch.randn(64, HV, 128, generator=gen, device=q.device) * garbage
+                t = t.to(bf).float()
+                t[:n] = x[c0:c0 + n]
+                return t.transpose(0, 1)  # [HV, 64, 128]
+
+            Q, K, V = tile(qf), tile(kf), tile(vf)
+            dist = idx[:, None] - idx[None, :]
+            decay_ij = torch.exp2(log2g[:, None, None] * dist)  # [HV, 64, 64]
+            A = Q @ K.transpose(1, 2)
+            P = torch.where(causal, scale * A * decay_ij, torch.zeros((), device=q.device)).to(bf).float()
+            row = scale * torch.exp2(log2g[:, None] * (idx + 1))  # [HV, 64]
+            O = row[..., None] * (Q @ S.to(bf).float()) + P @ V
+            o[c0:c0 + n] = O[:, :n].transpose(0, 1)
+            # a select, not a product: the factor overflows to inf on the masked rows for large decay
+            w = torch.where(idx < n, torch.exp2(log2g[:, None] * (n - 1 - idx)), torch.zeros((), device=q.device))
+            Vd = (w[..., None] * V).to(bf).float()
+            S = torch.exp2(log2g * n)[:, None, None] * S + K.transpose(1, 2) @ Vd
+        finals.append(S)
+    o = o.reshape(B, T, HV, 128).to(bf)
+    final = torch.stack(finals) if inp["output_final_state"] else None
+    return o, final
+
+
+def layout_facts() -> dict:
+    """Trace-time facts about the kernel's layouts that its raw-pointer passes rely on (CPU, no GPU).
+
+    - ``p_reuse_mismatches``: A-operand register slots of the P.V product whose (row, k) differs from the
+      (row, col) of the Q.K^T accumulator register they reuse (must be 0);
+    - ``kt_is_canonical_a``: the K tile read transposed is the canonical MN-major A layout;
+    - ``v_row_is_token``: in a V tile every 2*Vt-byte smem row holds one token (before the in-row swizzle);
+    - ``o_outer_row_major`` and ``o_swizzle``: sO is row-major [64, Vt] under the swizzle the copy-out uses.
+    Runs ``cute.compile`` on a function without kernels; the driver check is skipped (compile only).
+    """
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from cutlass.base_dsl.compiler import Compiler
+
+    Compiler._check_cuda_dependencies_once = lambda *a, **k: None
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils as utils
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import warpgroup
+
+    from cula.kernels.sm90.lightning_fwd import STAGES, LightningFwdSm90, _a_operand_layout
+
+    bf16 = cutlass.BFloat16
+    kmaj, mnmaj = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+    row, col = utils.LayoutEnum.ROW_MAJOR, utils.LayoutEnum.COL_MAJOR
+    facts: dict = {}
+
+    @cute.jit(preprocess=False)  # plain Python control flow: everything here is static
+    def trace():
+        mqk = sm90_utils.make_trivial_tiled_mma(bf16, bf16, kmaj, kmaj, cutlass.Float32, (1, 1, 1), (64, 64))
+        mpv = sm90_utils.make_trivial_tiled_mma(bf16, bf16, kmaj, mnmaj, cutlass.Float32, (1, 1, 1), (64, 64),
+                                                warpgroup.OperandSource.RMEM)
+        bad = 0
+        for t in (0, 5, 37, 127):
+            c_c = mqk.get_slice(t).partition_C(cute.make_identity_tensor((64, 64))).layout
+            c_a = mpv.get_slice(t).partition_A(cute.make_identity_tensor((64, 64))).layout
+            a_regs = _a_operand_layout(cute.make_layout(mqk.get_slice(t).partition_shape_C((64, 64))))
+            for p in range(cute.size(a_regs)):
+                ca = c_a(cute.idx2crd(p, c_a.shape))
+                cc = c_c(cute.idx2crd(a_regs(cute.idx2crd(p, a_regs.shape)), c_c.shape))
+                bad += int(tuple(int(x) for x in ca) != tuple(int(x) for x in cc))
+        facts["p_reuse_mismatches"] = bad
+        k_layout = sm90_utils.make_smem_layout_b(row, (64, 64, 128), bf16, STAGES)
+        kt = sm90_utils.make_smem_layout_a(col, (128, 64, 64), bf16, STAGES)
+        facts["kt_is_canonical_a"] = (str(cute.select(k_layout.outer, mode=[1, 0, 2])) == str(kt.outer)
+                                      and str(k_layout.inner) == str(kt.inner))
+        for vt in (32, 64):
+            v_layout = sm90_utils.make_smem_layout_b(col, (64, vt, 64), bf16, 1)
+            ok = all(int(cute.crd2idx((v, j, 0), v_layout.outer)) // vt == j for v in range(vt) for j in range(64))
+            facts[f"v_row_is_token_{vt}"] = ok
+            facts[f"v_swizzle_{vt}"] = str(v_layout.inner)
+            o_layout = sm90_utils.make_smem_layout_epi(bf16, row, (64, vt), 1)
+            facts[f"o_outer_row_major_{vt}"] = all(
+                int(cute.crd2idx((r, c, 0), o_layout.outer)) == r * vt + c for r in range(64) for c in range(vt))
+            facts[f"o_swizzle_{vt}"] = str(o_layout.inner)
+            facts[f"kernel_swizzle_mask_{vt}"] = LightningFwdSm90(vt).swizzle_mask
+
+    try:
+        cute.compile(trace)
+    except Exception:
+        if not facts:  # failed during tracing, not at the (expected) JIT load without a driver
+            raise
+    return facts
 
 
 def moved_bytes(inp: dict) -> int:
@@ -223,9 +352,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--v-tiles", default="", help="comma list of V tiles to compare, e.g. 64,32")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--layout-facts", action="store_true", help="print the layout facts as JSON (CPU)")
     ap.add_argument("--sanitize-case", action="store_true",
                     help="run one small varlen case once (for compute-sanitizer memcheck / racecheck)")
     args = ap.parse_args(argv)
+    if args.layout_facts:
+        print(json.dumps(layout_facts()))
+        return 0
     if args.sanitize_case:
         inp = make_inputs(B=1, T=0, H=2, lengths=[5, 70, 0, 130], state=True)
         o, st = cula_call(inp)
