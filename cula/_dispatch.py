@@ -107,8 +107,8 @@ def load_kernel(name: str) -> tuple[Any, str | None]:
                 _kernels[name] = (module, None)
         except ModuleNotFoundError as exc:
             missing = exc.name or ""
-            if full.startswith(missing):  # the module itself (or its package) is absent
-                _kernels[name] = (None, f"no kernel module {full}")
+            if missing and (full == missing or full.startswith(missing + ".")):  # it (or its package) is absent
+                _kernels[name] = (None, f"no kernel module {full} ({exc})")
             else:
                 _kernels[name] = (None, f"{full} failed to import ({type(exc).__name__}: {exc})")
         except Exception as exc:  # a broken kernel build must not break the op: fall back
