@@ -321,3 +321,21 @@ def test_lightning_decode_on_fake_hopper_uses_fla(hopper, monkeypatch):
                                    inplace=True)
     assert len(calls) == 1 and ret is pool
     assert pool[2].eq(1).all() and pool[0].eq(1).all() and pool[1].eq(0).all()
+
+
+@pytest.mark.parametrize("name", sorted(_dispatch.KERNEL_ARGS))
+def test_real_kernel_modules_take_the_dispatch_arguments(name):
+    """The contract both ways: whatever kernel module exists accepts exactly what dispatch passes."""
+    import importlib
+    import importlib.util
+    import inspect
+
+    if importlib.util.find_spec(f"cula.kernels.sm90.{name}") is None:
+        pytest.skip(f"no cula.kernels.sm90.{name} yet")
+    try:
+        module = importlib.import_module(f"cula.kernels.sm90.{name}")
+    except ImportError as exc:
+        pytest.skip(f"not importable here: {exc}")
+    kwargs = {arg: None for arg in _dispatch.KERNEL_ARGS[name]}
+    inspect.signature(getattr(module, name)).bind(**kwargs)
+    inspect.signature(module.supports).bind(**kwargs)
