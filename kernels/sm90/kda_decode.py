@@ -392,6 +392,7 @@ _ARG_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "
               "state_indices", "B", "T", "H", "HV", "scale", "lower_bound", "stream")
 
 _cache: dict[tuple, Any] = {}
+_ACT = frozenset(ACT_DTYPES)
 
 
 def _specs(dtypes: tuple) -> tuple[ArgSpec, ...]:
@@ -462,14 +463,14 @@ def kernel_reason(
     if B > 65535 or HV > 65535:
         return f"the grid takes at most 65535 rows and value heads, got B = {B}, HV = {HV}"
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log), ("dt_bias", dt_bias)):
-        if x is not None and x.dtype not in ACT_DTYPES:
+        if x is not None and x.dtype not in _ACT:
             return f"{name} is {x.dtype}; the kernel takes {', '.join(map(str, ACT_DTYPES))}"
     if beta is None or beta.dim() != 3:
         return "the kernel takes a per-head beta [B, T, HV] (no head-wise [B, T, HV, V] beta)"
     if g is None or g.dim() != 4:
         return "the kernel takes g [B, T, HV, K]"
     tensors = [x for x in (q, k, v, g, beta, A_log, dt_bias, initial_state, state_indices) if x is not None]
-    if any(not isinstance(x, torch.Tensor) or x.device.type != "cuda" for x in tensors):
+    if not all(isinstance(x, torch.Tensor) and x.is_cuda for x in tensors):
         return "the kernel takes CUDA tensors"
     reason = state_reason(initial_state)
     if reason is not None:

@@ -220,6 +220,7 @@ class LightningDecode:
 # ------------------------------------------------------------------------------------------------ host
 
 _cache: dict[tuple, Any] = {}
+_ACT = frozenset(ACT_DTYPES)
 
 
 def _specs(dtypes: tuple) -> tuple[ArgSpec, ...]:
@@ -283,10 +284,10 @@ def kernel_reason(
     if B > 65535 or HV > 65535:
         return f"the grid takes at most 65535 rows and value heads, got B = {B}, HV = {HV}"
     for name, x in (("q", q), ("k", k), ("v", v), ("decay", decay)):
-        if x is not None and x.dtype not in ACT_DTYPES:
+        if x is not None and x.dtype not in _ACT:
             return f"{name} is {x.dtype}; the kernel takes {', '.join(map(str, ACT_DTYPES))}"
     tensors = [x for x in (q, k, v, decay, initial_state, state_indices) if x is not None]
-    if any(not isinstance(x, torch.Tensor) or x.device.type != "cuda" for x in tensors):
+    if not all(isinstance(x, torch.Tensor) and x.is_cuda for x in tensors):
         return "the kernel takes CUDA tensors"
     return state_reason(initial_state)
 
