@@ -31,7 +31,6 @@ its outputs are zero, its final state is zero when written out of place, and its
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from typing import Any
@@ -601,3 +600,46 @@ def compile_targets():
         "k64": build(K=64, V=64, state_v_first=True),
         "k256": build(K=256, V=256),
     }
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``--check``: compile, compare with the fp64 reference (pool, in place), time one shape vs FLA."""
+    import argparse
+
+    from cula.kernels.sm90 import decode_bench as db
+
+    ap = argparse.ArgumentParser(prog=f"python -m {__name__}", description=main.__doc__)
+    ap.add_argument("--check", action="store_true", help="run the check (the default action)")
+    ap.add_argument("--B", type=int, default=64)
+    ap.add_argument("--T", type=int, default=1)
+    ap.add_argument("--H", type=int, default=32)
+    ap.add_argument("--G", type=int, default=1, help="value heads per q/k head (GVA)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 1
+    ok = True
+    for pool in ("inplace", "plain"):
+        case = db.DecodeCase("kda", args.B, args.T, args.H, args.H * args.G, pool=pool, flags=db.KDA_SERVING_FLAGS)
+        inputs = db.make_inputs(case)
+        h0 = inputs["initial_state"]
+        o_ref, s_ref = db.reference(case, {**inputs, "initial_state": h0.clone()})
+        t0 = time.perf_counter()
+        o, ht = kda_decode(**inputs)
+        torch.cuda.synchronize()
+        e_o, e_s = db.rel_err(o, o_ref), db.rel_err(ht, s_ref)
+        ok &= e_o < 6e-3 and e_s < 2e-4
+        print(f"{case.label}: first call {(time.perf_counter() - t0) * 1e3:.0f} ms (compile included), "
+              f"rel err o {e_o:.2e}, state {e_s:.2e}")
+    row = db.bench_case(db.DecodeCase("kda", args.B, args.T, args.H, args.H * args.G, flags=db.KDA_SERVING_FLAGS),
+                        db.copy_bandwidth())
+    print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+    print("OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
