@@ -68,3 +68,25 @@ def test_import_cula_is_cheap():
     code = "import sys, cula; print('torch' in sys.modules, 'fla' in sys.modules, callable(cula.backends))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False", "True"]
+
+
+def test_argument_binding_errors_are_python_s():
+    import torch
+
+    from cula.gla import chunk_gla
+    from cula.lightning import lightning_attn_fwd
+
+    q = torch.randn(1, 4, 2, 8)
+    v = torch.randn(1, 4, 2, 4)
+    with pytest.raises(TypeError, match="missing required argument: 'decay'"):
+        lightning_attn_fwd(q, q, v)
+    with pytest.raises(TypeError, match="multiple values for argument 'q'"):
+        lightning_attn_fwd(q, q, v, torch.rand(2), q=q)
+    with pytest.raises(TypeError, match="takes 8 positional arguments but 9"):
+        lightning_attn_fwd(q, q, v, torch.rand(2), None, None, False, None, 1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'gk'"):  # chunk_gla has no **kwargs
+        chunk_gla(q, q, v, torch.zeros_like(q), gk=q)
+    # positional and keyword spellings bind the same way
+    a = lightning_attn_fwd(q, q, v, torch.ones(2), 0.5)[0]
+    b = lightning_attn_fwd(v=v, k=q, q=q, decay=torch.ones(2), scale=0.5)[0]
+    assert torch.equal(a, b)
