@@ -62,24 +62,30 @@ def run_emulated(monkeypatch, module, inputs):
 
 
 CASES = [
-    # (variant, B, T, H, HV, K, V, v_first, pool, flags, dtype)
-    ("kda", 3, 2, 1, 2, 64, 32, False, "inplace", db.KDA_SERVING_FLAGS, torch.bfloat16),
-    ("kda", 3, 3, 1, 1, 128, 32, True, "pool", db.KDA_SERVING_FLAGS, torch.bfloat16),
-    ("kda", 1, 2, 1, 1, 64, 64, False, "plain", {}, torch.float32),
-    ("lightning", 3, 2, 1, 2, 64, 32, False, "inplace", {}, torch.bfloat16),
+    # (variant, B, T, H, HV, K, V, v_first, pool, flags, dtype, warps per CTA)
+    ("kda", 3, 2, 1, 2, 64, 32, False, "inplace", db.KDA_SERVING_FLAGS, torch.bfloat16, 4),
+    ("kda", 3, 3, 1, 1, 128, 32, True, "pool", db.KDA_SERVING_FLAGS, torch.bfloat16, 1),
+    ("kda", 1, 5, 1, 1, 64, 64, True, "none", db.KDA_SERVING_FLAGS, torch.bfloat16, 2),
+    ("kda", 1, 2, 1, 1, 64, 64, False, "plain", {}, torch.float32, 1),
+    ("lightning", 3, 2, 1, 2, 64, 32, False, "inplace", {}, torch.bfloat16, 4),
+    ("lightning", 1, 3, 1, 1, 64, 32, False, "pool", {}, torch.bfloat16, 1),
 ]
 
 
-@pytest.mark.parametrize("variant,B,T,H,HV,K,V,v_first,pool,flags,dtype", CASES,
-                         ids=[f"{c[0]}-B{c[1]}-T{c[2]}-HV{c[4]}-K{c[5]}-{'vf' if c[7] else 'kf'}-{c[8]}" for c in CASES])
-def test_emulated_kernel_matches_reference(monkeypatch, variant, B, T, H, HV, K, V, v_first, pool, flags, dtype):
+@pytest.mark.parametrize("variant,B,T,H,HV,K,V,v_first,pool,flags,dtype,warps", CASES,
+                         ids=[f"{c[0]}-B{c[1]}-T{c[2]}-HV{c[4]}-K{c[5]}-{'vf' if c[7] else 'kf'}-{c[8]}-w{c[11]}"
+                              for c in CASES])
+def test_emulated_kernel_matches_reference(monkeypatch, variant, B, T, H, HV, K, V, v_first, pool, flags, dtype,
+                                           warps):
+    module = kd if variant == "kda" else ld
+    monkeypatch.setattr(module, "pick_warps", lambda B, HV, V: warps)
     case = db.DecodeCase(variant, B, T, H, HV, K=K, V=V, dtype=dtype, state_v_first=v_first, pool=pool,
                          flags=flags, seed=B * 31 + T)
     inputs = db.make_inputs(case, device="cpu")
     h0 = inputs["initial_state"]
-    before = h0.clone()
-    o_ref, s_ref = db.reference(case, {**inputs, "initial_state": h0.clone()})
-    o, ht = run_emulated(monkeypatch, kd if variant == "kda" else ld, inputs)
+    before = h0.clone() if h0 is not None else None
+    o_ref, s_ref = db.reference(case, {**inputs, "initial_state": before.clone() if h0 is not None else None})
+    o, ht = run_emulated(monkeypatch, module, inputs)
     o_tol = 1e-6 if dtype == torch.float32 else 6e-3  # bf16 outputs round to 2^-9
     assert db.rel_err(o, o_ref) < o_tol
     assert db.rel_err(ht, s_ref) < 1e-6

@@ -10,8 +10,9 @@ Per value head, with the per-key-dim decay ``a_t = exp(g_t)`` (g after the in-ke
 The last form lets one warp reduction give both ``k^T S'`` and ``q^T S'`` (FLA's fused_recurrent_kda
 reduces twice). Numerics: fp32 throughout; the state is read once and written once per call.
 
-Work split: one CTA of 4 warps per (batch row, value head, 32 values of V); each warp owns 8 values of V
-and all of K, so every reduction over K is a warp shuffle (no shared-memory round trip per token):
+Work split: one CTA of 4 warps per (batch row, value head, 32 values of V), or of 2 / 1 warps when the
+batch is too small to give the 132 SMs one CTA each (``pick_warps``); each warp owns 8 values of V and
+all of K, so every reduction over K is a warp shuffle (no shared-memory round trip per token):
 
 - K-first ``[K, V]`` (V contiguous): lane = 2 * la + lb; a thread holds rows ``la*K/16 .. +K/16`` x 4
   columns; a warp load covers 16 rows x 32 contiguous bytes. Reduction over the 16 ``la`` lanes.
@@ -21,7 +22,8 @@ and all of K, so every reduction over K is a warp shuffle (no shared-memory roun
 Every state access is a 16-byte ``ld.global.v4`` / ``st.global.v4``. Before the token loop the CTA
 stages the per-token vectors in shared memory, computed once per CTA: the gate (softplus or
 lower-bound sigmoid of ``g + dt_bias`` scaled by ``exp(A_log)``) as the decay factor, l2-normalised and
-scaled q, normalised k, ``q.k``, the beta sigmoid and the CTA's 32 values of v. The state loads are
+scaled q, normalised k, ``q.k``, the beta sigmoid and the CTA's values of v (token t is prepared by
+warp ``t % warps``, which issues the loads of all its tokens before any of the math). The state loads are
 issued before that prologue, so its latency hides under theirs.
 
 State pool: with ``state_indices`` row b reads slot ``state_indices[b]`` (negative: the row is skipped,
@@ -54,10 +56,10 @@ from cula.kernels.common.decode_host import (
 from cula.kernels.common.decode_tile import butterfly_sum, load1, vec, warp_sum
 from cula.kernels.common.fast_launch import ArgSpec, compile_launcher, current_stream_handle
 
-WARPS = 4
-THREADS = 32 * WARPS
 V_PER_WARP = 8  # values of V a warp owns (x all of K)
-V_PER_CTA = V_PER_WARP * WARPS
+WARP_CHOICES = (4, 2, 1)  # warps per CTA: the most that still gives MIN_CTAS CTAs (small B: more SMs)
+MIN_CTAS = 128  # ~ one CTA per SM of the 132
+V_ALIGN = V_PER_WARP * max(WARP_CHOICES)  # V must be a multiple of the widest CTA
 MAX_T = 8  # tokens per call (decode, MTP / speculative verification)
 HEAD_DIMS_K = (64, 128, 256)  # K: 16 lanes x K/16 rows (K-first) or 16 lanes x 4 x K/64 (V-first)
 L2NORM_EPS = 1e-6  # FLA's l2norm: x / sqrt(sum(x^2) + eps)
@@ -85,8 +87,9 @@ class KdaDecode:
         store_state: bool,
         inplace: bool,
         has_indices: bool,
+        warps: int = 4,
     ):
-        assert K in HEAD_DIMS_K and V % V_PER_CTA == 0
+        assert K in HEAD_DIMS_K and V % V_ALIGN == 0 and warps in WARP_CHOICES
         self.K, self.V = K, V
         self.v_first = state_v_first
         self.use_qk_l2norm = use_qk_l2norm
@@ -103,6 +106,9 @@ class KdaDecode:
         self.kpl = K // 32  # prologue: K elements per lane
         self.rows = K // 16  # K-first: state rows per thread
         self.chunks = K // 64  # V-first: 4-wide K vectors per thread and V row
+        self.warps = warps
+        self.v_cta = V_PER_WARP * warps  # values of V per CTA
+        self.slots = -(-MAX_T // warps)  # prologue: tokens per warp (token t goes to warp t % warps)
 
     # ---------------------------------------------------------------------------------------- host
 
@@ -118,7 +124,7 @@ class KdaDecode:
     ):
         self.kernel(
             pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO, pIdx, T, H, HV, scale, lower_bound,
-        ).launch(grid=[self.V // V_PER_CTA, HV, B], block=[THREADS, 1, 1], stream=stream)
+        ).launch(grid=[self.V // self.v_cta, HV, B], block=[32 * self.warps, 1, 1], stream=stream)
 
     # -------------------------------------------------------------------------------------- device
 
@@ -176,7 +182,7 @@ class KdaDecode:
         f32 = cutlass.Float32
         K, V = self.K, self.V
         warp, lane, la, lb, v0w = self.lane_layout(tidx)
-        v_cta = vs * V_PER_CTA
+        v_cta = vs * self.v_cta
         v0 = v_cta + v0w
         na, nb = self.tile_shape()
         hq = hv // (HV // H)
@@ -199,7 +205,7 @@ class KdaDecode:
         sQ = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
         sK = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
         sD = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
-        sV = smem.allocate_tensor(f32, cute.make_layout((MAX_T, V_PER_CTA), stride=(V_PER_CTA, 1)), 16)
+        sV = smem.allocate_tensor(f32, cute.make_layout((MAX_T, self.v_cta), stride=(self.v_cta, 1)), 16)
         sS = smem.allocate_tensor(f32, cute.make_layout((MAX_T, 2), stride=(2, 1)), 16)  # beta, q.k
 
         kpl = self.kpl
@@ -214,22 +220,35 @@ class KdaDecode:
             for j in cutlass.range_constexpr(kpl):
                 bias[j] = load1(pDtBias, hv * K + kk + j).to(f32)
 
-        for t in cutlass.range(T, unroll=1):
-            if t % WARPS == warp:
+        # all loads of this warp's tokens first (token t -> warp t % warps, slot t // warps), so their
+        # latencies overlap; then the math, whose warp reductions wait on them
+        nt = self.slots
+        qr = cute.make_rmem_tensor(cute.make_layout((kpl, nt), stride=(1, kpl)), pQ.dtype)
+        kr = cute.make_rmem_tensor(cute.make_layout((kpl, nt), stride=(1, kpl)), pK.dtype)
+        gr = cute.make_rmem_tensor(cute.make_layout((kpl, nt), stride=(1, kpl)), pG.dtype)
+        vr = cute.make_rmem_tensor(cute.make_layout(nt), pV.dtype)
+        br = cute.make_rmem_tensor(cute.make_layout(nt), pBeta.dtype)
+        for j in cutlass.range_constexpr(nt):
+            t = warp + j * self.warps
+            if t < T:
                 row_q = (cutlass.Int64(b) * T + t) * H + hq
                 row_v = (cutlass.Int64(b) * T + t) * HV + hv
-                qr = cute.make_rmem_tensor(cute.make_layout(kpl), pQ.dtype)
-                kr = cute.make_rmem_tensor(cute.make_layout(kpl), pK.dtype)
-                gr = cute.make_rmem_tensor(cute.make_layout(kpl), pG.dtype)
-                cute.autovec_copy(vec(pQ, row_q * K + kk, kpl, kpl), qr)
-                cute.autovec_copy(vec(pK, row_q * K + kk, kpl, kpl), kr)
-                cute.autovec_copy(vec(pG, row_v * K + kk, kpl, kpl), gr)
+                cute.autovec_copy(vec(pQ, row_q * K + kk, kpl, kpl), qr[None, j])
+                cute.autovec_copy(vec(pK, row_q * K + kk, kpl, kpl), kr[None, j])
+                cute.autovec_copy(vec(pG, row_v * K + kk, kpl, kpl), gr[None, j])
+                if lane < self.v_cta:
+                    vr[j] = load1(pV, row_v * V + v_cta + lane)
+                if lane == 0:
+                    br[j] = load1(pBeta, row_v)
+        for j in cutlass.range_constexpr(nt):
+            t = warp + j * self.warps
+            if t < T:
                 qq = f32(0.0)
                 kk2 = f32(0.0)
                 qk = f32(0.0)
-                for j in cutlass.range_constexpr(kpl):
-                    qj = qr[j].to(f32)
-                    kj = kr[j].to(f32)
+                for e in cutlass.range_constexpr(kpl):
+                    qj = qr[e, j].to(f32)
+                    kj = kr[e, j].to(f32)
                     qq = qq + qj * qj
                     kk2 = kk2 + kj * kj
                     qk = qk + qj * kj
@@ -240,13 +259,14 @@ class KdaDecode:
                     rq = cute.math.rsqrt(warp_sum(qq) + f32(L2NORM_EPS))
                     rk = cute.math.rsqrt(warp_sum(kk2) + f32(L2NORM_EPS))
                 qs = rq * scale
-                for j in cutlass.range_constexpr(kpl):
-                    sQ[t, kk + j] = qr[j].to(f32) * qs
-                    sK[t, kk + j] = kr[j].to(f32) * rk
-                    sD[t, kk + j] = cute.math.exp(self.gate(gr[j].to(f32) + bias[j], a_exp, lower_bound))
-                sV[t, lane] = load1(pV, row_v * V + v_cta + lane).to(f32)
+                for e in cutlass.range_constexpr(kpl):
+                    sQ[t, kk + e] = qr[e, j].to(f32) * qs
+                    sK[t, kk + e] = kr[e, j].to(f32) * rk
+                    sD[t, kk + e] = cute.math.exp(self.gate(gr[e, j].to(f32) + bias[e], a_exp, lower_bound))
+                if lane < self.v_cta:
+                    sV[t, lane] = vr[j].to(f32)
                 if lane == 0:
-                    beta = load1(pBeta, row_v).to(f32)
+                    beta = br[j].to(f32)
                     if cutlass.const_expr(self.use_beta_sigmoid):
                         beta = f32(self.beta_mult) / (f32(1.0) + cute.math.exp(-beta))
                     sS[t, 0] = beta
@@ -291,7 +311,7 @@ class KdaDecode:
         beta = sS[t, 0]
         qk = sS[t, 1]
         vv = cute.make_rmem_tensor(cute.make_layout(4), f32)
-        cute.autovec_copy(vec(sV.iterator, t * V_PER_CTA + v0w, 4, 4), vv)
+        cute.autovec_copy(vec(sV.iterator, t * self.v_cta + v0w, 4, 4), vv)
         red = cute.make_rmem_tensor(cute.make_layout(8), f32)  # k^T S' (4), q^T S' (4)
         for e in cutlass.range_constexpr(8):
             red[e] = f32(0.0)
@@ -362,7 +382,7 @@ class KdaDecode:
         """A skipped row (negative slot): zero outputs, zero out-of-place final state, slot untouched."""
         f32 = cutlass.Float32
         warp, lane, la, lb, v0w = self.lane_layout(tidx)
-        v0 = vs * V_PER_CTA + v0w
+        v0 = vs * self.v_cta + v0w
         na, nb = self.tile_shape()
         zo = cute.make_rmem_tensor(cute.make_layout(4), pO.dtype)
         for j in cutlass.range_constexpr(4):
@@ -401,6 +421,16 @@ def _specs(dtypes: tuple) -> tuple[ArgSpec, ...]:
     ptrs = (dq, dk, dv, dg, db, da, dd, f32, f32, do, di)
     return (*(ArgSpec("ptr", d) for d in ptrs), *(ArgSpec("i32") for _ in range(4)),
             ArgSpec("f32"), ArgSpec("f32"), ArgSpec("stream"))
+
+
+def pick_warps(B: int, HV: int, V: int) -> int:
+    """Warps per CTA: 4 when that still makes ~one CTA per SM, fewer at small B so the state of a few
+    heads is spread over more SMs (each SM's share of the bytes, hence its time, shrinks)."""
+    units = B * HV * (V // V_PER_WARP)  # warps of work
+    for warps in WARP_CHOICES:
+        if units // warps >= MIN_CTAS:
+            return warps
+    return WARP_CHOICES[-1]
 
 
 def _launcher(key: tuple):
@@ -453,8 +483,8 @@ def kernel_reason(
     HV, V = v.shape[2], v.shape[3]
     if K not in HEAD_DIMS_K:
         return f"the kernel is built for K in {HEAD_DIMS_K}, got K = {K}"
-    if V % V_PER_CTA or V == 0:
-        return f"the kernel needs V a multiple of {V_PER_CTA}, got V = {V}"
+    if V % V_ALIGN or V == 0:
+        return f"the kernel needs V a multiple of {V_ALIGN}, got V = {V}"
     if not 1 <= T <= MAX_T:
         return f"the decode kernel takes 1..{MAX_T} tokens per sequence, got T = {T}"
     if H == 0 or HV % H:
@@ -556,7 +586,8 @@ def kda_decode(
     idx_dtype = state_indices.dtype if state_indices is not None else torch.int32
     config = (K, V, bool(state_v_first), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), has_a,
               has_bias, use_lb, bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
-              initial_state is not None, store, bool(inplace), state_indices is not None)
+              initial_state is not None, store, bool(inplace), state_indices is not None,
+              pick_warps(B, HV, V))
     dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
               a_log.dtype if a_log is not None else torch.float32,
               bias.dtype if bias is not None else torch.float32, o.dtype, idx_dtype)
@@ -599,6 +630,8 @@ def compile_targets():
                             use_beta_sigmoid=False, has_indices=False, inplace=False, has_initial_state=False),
         "k64": build(K=64, V=64, state_v_first=True),
         "k256": build(K=256, V=256),
+        "one_warp_v_first": build(state_v_first=True, warps=1),
+        "two_warps": build(warps=2),
     }
 
 

@@ -9,10 +9,10 @@ so one warp reduction per token (``q^T S`` over K) gives the output. Numerics: f
 state is read once and written once per call, whatever T.
 
 Work split (as the KDA decode kernel, K-first): one CTA of 4 warps per (batch row, value head, 32 values
-of V); each warp owns 8 columns of V and all of K; lane = 2 * la + lb holds rows ``la*K/16 .. +K/16`` x
+of V), 2 or 1 warps at small batch (``pick_warps``); each warp owns 8 columns of V and all of K; lane = 2 * la + lb holds rows ``la*K/16 .. +K/16`` x
 4 columns, so a warp load covers 16 rows x 32 contiguous bytes and every state access is a 16-byte
 ``ld.global.v4`` / ``st.global.v4``. The reduction over K runs over the 16 ``la`` lanes (shuffles only).
-Before the token loop the CTA stages scaled q, k, ``q.k`` and its 32 values of v per token in shared
+Before the token loop the CTA stages scaled q, k, ``q.k`` and its values of v per token in shared
 memory; the state loads are issued first so their latency covers that prologue.
 
 State pool: with ``state_indices`` row b reads slot ``state_indices[b]`` (negative: the row is skipped,
@@ -45,10 +45,10 @@ from cula.kernels.common.decode_host import (
 from cula.kernels.common.decode_tile import butterfly_sum, load1, vec, warp_sum
 from cula.kernels.common.fast_launch import ArgSpec, compile_launcher, current_stream_handle
 
-WARPS = 4
-THREADS = 32 * WARPS
 V_PER_WARP = 8  # columns of V a warp owns (x all of K)
-V_PER_CTA = V_PER_WARP * WARPS
+WARP_CHOICES = (4, 2, 1)  # warps per CTA: the most that still gives MIN_CTAS CTAs (small B: more SMs)
+MIN_CTAS = 128  # ~ one CTA per SM of the 132
+V_ALIGN = V_PER_WARP * max(WARP_CHOICES)  # V must be a multiple of the widest CTA
 MAX_T = 8  # tokens per call (decode, MTP / speculative verification)
 HEAD_DIMS_K = (64, 128, 256)  # 16 lanes x K/16 rows per thread
 #: Flipped to True once tests/test_kernel_lightning_decode.py passed on the H200.
@@ -59,8 +59,8 @@ class LightningDecode:
     """Compile-time configuration of the Lightning decode kernel."""
 
     def __init__(self, K: int, V: int, has_initial_state: bool, store_state: bool, inplace: bool,
-                 has_indices: bool):
-        assert K in HEAD_DIMS_K and V % V_PER_CTA == 0
+                 has_indices: bool, warps: int = 4):
+        assert K in HEAD_DIMS_K and V % V_ALIGN == 0 and warps in WARP_CHOICES
         self.K, self.V = K, V
         self.has_h0 = has_initial_state
         self.store_state = store_state
@@ -68,6 +68,9 @@ class LightningDecode:
         self.has_indices = has_indices
         self.kpl = K // 32  # prologue: K elements per lane
         self.rows = K // 16  # state rows per thread
+        self.warps = warps
+        self.v_cta = V_PER_WARP * warps  # columns of V per CTA
+        self.slots = -(-MAX_T // warps)  # prologue: tokens per warp (token t goes to warp t % warps)
 
     @cute.jit
     def __call__(
@@ -79,7 +82,7 @@ class LightningDecode:
         stream,
     ):
         self.kernel(pQ, pK, pV, pDecay, pH0, pHt, pO, pIdx, T, H, HV, scale).launch(
-            grid=[self.V // V_PER_CTA, HV, B], block=[THREADS, 1, 1], stream=stream)
+            grid=[self.V // self.v_cta, HV, B], block=[32 * self.warps, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -115,7 +118,7 @@ class LightningDecode:
         K, V = self.K, self.V
         rows = self.rows
         warp, lane, la, lb, v0w = self.lane_layout(tidx)
-        v_cta = vs * V_PER_CTA
+        v_cta = vs * self.v_cta
         v0 = v_cta + v0w
         hq = hv // (HV // H)
 
@@ -134,29 +137,39 @@ class LightningDecode:
         smem = cutlass.utils.SmemAllocator()
         sQ = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
         sK = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
-        sV = smem.allocate_tensor(f32, cute.make_layout((MAX_T, V_PER_CTA), stride=(V_PER_CTA, 1)), 16)
+        sV = smem.allocate_tensor(f32, cute.make_layout((MAX_T, self.v_cta), stride=(self.v_cta, 1)), 16)
         sQK = smem.allocate_tensor(f32, cute.make_layout(MAX_T), 16)
         lam = cute.math.exp(-load1(pDecay, hv).to(f32))
 
         kpl = self.kpl
         kk = lane * kpl
-        for t in cutlass.range(T, unroll=1):
-            if t % WARPS == warp:
+        # all loads of this warp's tokens first (token t -> warp t % warps), then the math
+        nt = self.slots
+        qr = cute.make_rmem_tensor(cute.make_layout((kpl, nt), stride=(1, kpl)), pQ.dtype)
+        kr = cute.make_rmem_tensor(cute.make_layout((kpl, nt), stride=(1, kpl)), pK.dtype)
+        vr = cute.make_rmem_tensor(cute.make_layout(nt), pV.dtype)
+        for j in cutlass.range_constexpr(nt):
+            t = warp + j * self.warps
+            if t < T:
                 row_q = (cutlass.Int64(b) * T + t) * H + hq
                 row_v = (cutlass.Int64(b) * T + t) * HV + hv
-                qr = cute.make_rmem_tensor(cute.make_layout(kpl), pQ.dtype)
-                kr = cute.make_rmem_tensor(cute.make_layout(kpl), pK.dtype)
-                cute.autovec_copy(vec(pQ, row_q * K + kk, kpl, kpl), qr)
-                cute.autovec_copy(vec(pK, row_q * K + kk, kpl, kpl), kr)
+                cute.autovec_copy(vec(pQ, row_q * K + kk, kpl, kpl), qr[None, j])
+                cute.autovec_copy(vec(pK, row_q * K + kk, kpl, kpl), kr[None, j])
+                if lane < self.v_cta:
+                    vr[j] = load1(pV, row_v * V + v_cta + lane)
+        for j in cutlass.range_constexpr(nt):
+            t = warp + j * self.warps
+            if t < T:
                 qk = f32(0.0)
-                for j in cutlass.range_constexpr(kpl):
-                    qj = qr[j].to(f32) * scale
-                    kj = kr[j].to(f32)
+                for e in cutlass.range_constexpr(kpl):
+                    qj = qr[e, j].to(f32) * scale
+                    kj = kr[e, j].to(f32)
                     qk = qk + qj * kj
-                    sQ[t, kk + j] = qj
-                    sK[t, kk + j] = kj
+                    sQ[t, kk + e] = qj
+                    sK[t, kk + e] = kj
                 qk = warp_sum(qk)
-                sV[t, lane] = load1(pV, row_v * V + v_cta + lane).to(f32)
+                if lane < self.v_cta:
+                    sV[t, lane] = vr[j].to(f32)
                 if lane == 0:
                     sQK[t] = qk
         cute.arch.sync_threads()
@@ -169,7 +182,7 @@ class LightningDecode:
             off = t * K + la * rows
             cute.autovec_copy(vec(sK.iterator, off, rows, 4), kq)
             cute.autovec_copy(vec(sQ.iterator, off, rows, 4), qq)
-            cute.autovec_copy(vec(sV.iterator, t * V_PER_CTA + v0w, 4, 4), vv)
+            cute.autovec_copy(vec(sV.iterator, t * self.v_cta + v0w, 4, 4), vv)
             red = cute.make_rmem_tensor(cute.make_layout(4), f32)  # q^T S' per column
             for j in cutlass.range_constexpr(4):
                 red[j] = f32(0.0)
@@ -200,7 +213,7 @@ class LightningDecode:
         """A skipped row (negative slot): zero outputs, zero out-of-place final state, slot untouched."""
         f32 = cutlass.Float32
         warp, lane, la, lb, v0w = self.lane_layout(tidx)
-        v0 = vs * V_PER_CTA + v0w
+        v0 = vs * self.v_cta + v0w
         zo = cute.make_rmem_tensor(cute.make_layout(4), pO.dtype)
         for j in cutlass.range_constexpr(4):
             zo[j] = f32(0.0).to(pO.dtype)
@@ -230,6 +243,15 @@ def _specs(dtypes: tuple) -> tuple[ArgSpec, ...]:
     ptrs = (dq, dk, dv, dd, f32, f32, do, di)
     return (*(ArgSpec("ptr", d) for d in ptrs), *(ArgSpec("i32") for _ in range(4)),
             ArgSpec("f32"), ArgSpec("stream"))
+
+
+def pick_warps(B: int, HV: int, V: int) -> int:
+    """Warps per CTA: 4 when that still makes ~one CTA per SM, fewer at small B (see kda_decode)."""
+    units = B * HV * (V // V_PER_WARP)
+    for warps in WARP_CHOICES:
+        if units // warps >= MIN_CTAS:
+            return warps
+    return WARP_CHOICES[-1]
 
 
 def _launcher(key: tuple):
@@ -275,8 +297,8 @@ def kernel_reason(
     HV, V = v.shape[2], v.shape[3]
     if K not in HEAD_DIMS_K:
         return f"the kernel is built for K in {HEAD_DIMS_K}, got K = {K}"
-    if V % V_PER_CTA or V == 0:
-        return f"the kernel needs V a multiple of {V_PER_CTA}, got V = {V}"
+    if V % V_ALIGN or V == 0:
+        return f"the kernel needs V a multiple of {V_ALIGN}, got V = {V}"
     if not 1 <= T <= MAX_T:
         return f"the decode kernel takes 1..{MAX_T} tokens per sequence, got T = {T}"
     if H == 0 or HV % H:
@@ -341,7 +363,8 @@ def lightning_decode(
     if B == 0:
         return o, ht
     idx_dtype = state_indices.dtype if state_indices is not None else torch.int32
-    config = (K, V, initial_state is not None, store, bool(inplace), state_indices is not None)
+    config = (K, V, initial_state is not None, store, bool(inplace), state_indices is not None,
+              pick_warps(B, HV, V))
     dtypes = (q.dtype, k.dtype, v.dtype, decay.dtype, o.dtype, idx_dtype)
     launch = _launcher((config, dtypes))
     launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(),
@@ -371,6 +394,7 @@ def compile_targets():
         "default": build(),
         "out_of_place": build(inplace=False, has_indices=False),
         "fp32_k64": build(64, 64, (f32, f32, f32, f32, f32, torch.int64)),
+        "one_warp": build(warps=1),
     }
 
 
