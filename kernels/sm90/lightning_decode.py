@@ -9,9 +9,9 @@ so one warp reduction per token (``q^T S`` over K) gives the output. Numerics: f
 state is read once and written once per call, whatever T.
 
 Work split (as the KDA decode kernel, K-first): one CTA of 4 warps per (batch row, value head, 32 values
-of V), 2 or 1 warps at small batch (``pick_warps``); each warp owns 8 columns of V and all of K; lane = 2 * la + lb holds rows ``la*K/16 .. +K/16`` x
-4 columns, so a warp load covers 16 rows x 32 contiguous bytes and every state access is a 16-byte
-``ld.global.v4`` / ``st.global.v4``. The reduction over K runs over the 16 ``la`` lanes (shuffles only).
+of V), 2 or 1 warps at small batch (``pick_warps``); each warp owns 8 columns of V and all of K;
+lane = 2 * la + lb holds rows ``la*K/16 .. +K/16`` x 4 columns, so a warp load covers 16 rows x 32
+contiguous bytes and every state access is a 16-byte ``ld.global.v4`` / ``st.global.v4``. The reduction over K runs over the 16 ``la`` lanes (shuffles only).
 Before the token loop the CTA stages scaled q, k, ``q.k`` and its values of v per token in shared
 memory; the state loads are issued first so their latency covers that prologue.
 
