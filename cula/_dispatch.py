@@ -34,6 +34,8 @@ from cula._warn import warn_fallback
 CULA_SM90 = "cula-sm90"
 FLA_TRITON = "fla-triton"
 TORCH_REF = "torch-ref"
+# Context parallel (cula.cp): runs the op's local pass through this same table, on any device.
+CULA_CP = "cula-cp"
 KERNEL_PACKAGE = "cula.kernels.sm90"
 HOPPER = (9, 0)
 
@@ -156,12 +158,15 @@ class Candidate:
     run: str | None = None
     limits: str | None = None
     kernel: str | None = None
+    #: an input that must be given (not None) for this candidate to be considered at all; a call
+    #: without it does not skip the candidate (no reason, no warning), it never sees it
+    only_with: str | None = None
 
     # -- environment (no inputs): why this candidate can never run here, or None
 
     def environment(self, device: torch.device | None = None) -> str | None:
         """Why this candidate cannot run on this machine (for ``device``, when given), or None."""
-        if self.name == TORCH_REF:
+        if self.name in (TORCH_REF, CULA_CP):
             return None
         if device is not None:
             if device_arch(device) is None:
@@ -232,6 +237,10 @@ def _ref(run: str, limits: str | None = None) -> Candidate:
     return Candidate(TORCH_REF, run=run, limits=limits)
 
 
+def _cp(run: str, limits: str | None = None) -> Candidate:
+    return Candidate(CULA_CP, run=run, limits=limits, only_with="cp_context")
+
+
 # ---------------------------------------------------------------------------------------------------
 # THE TABLE: op name -> ordered candidates. Runners live next to each public op (cula/<variant>/_paths.py).
 
@@ -242,9 +251,10 @@ _A = "cula.gla._paths"
 
 TABLE: dict[str, tuple[Candidate, ...]] = {
     "lightning_attn_fwd": (
-        _kernel("lightning_fwd"),
+        _cp(f"{_L}:cp_fwd"),
+        _kernel("lightning_fwd", f"{_L}:no_cp_limits"),
         _fla(f"{_L}:fla_fwd", f"{_L}:fla_fwd_limits"),
-        _ref(f"{_L}:ref_fwd"),
+        _ref(f"{_L}:ref_fwd", f"{_L}:no_cp_limits"),
     ),
     "lightning_attn_decode": (
         _kernel("lightning_decode"),
@@ -252,6 +262,7 @@ TABLE: dict[str, tuple[Candidate, ...]] = {
         _ref(f"{_L}:ref_decode"),
     ),
     "chunk_kda": (
+        _cp(f"{_K}:cp_chunk", f"{_K}:cp_chunk_limits"),
         _kernel("kda_fwd", f"{_K}:kernel_chunk_limits"),
         _fla(f"{_K}:fla_chunk", f"{_K}:fla_chunk_limits"),
         _ref(f"{_K}:ref_chunk", f"{_K}:ref_chunk_limits"),
@@ -352,6 +363,8 @@ def decide(op: str, inputs: Mapping[str, Any]) -> Decision:
     device = device_of(inputs)
     skipped: list[Skip] = []
     for cand in candidates(op):
+        if cand.only_with is not None and inputs.get(cand.only_with) is None:
+            continue
         reason = cand.environment(device)
         if reason is not None:
             skipped.append(Skip(cand.name, reason, True))

@@ -38,8 +38,9 @@ LIGHTNING_FWD = [
     ("v", P.POSITIONAL_OR_KEYWORD, P.empty), ("decay", P.POSITIONAL_OR_KEYWORD, P.empty),
     ("scale", P.POSITIONAL_OR_KEYWORD, None), ("initial_state", P.POSITIONAL_OR_KEYWORD, None),
     ("output_final_state", P.POSITIONAL_OR_KEYWORD, False), ("cu_seqlens", P.POSITIONAL_OR_KEYWORD, None),
+    ("cp_context", P.POSITIONAL_OR_KEYWORD, None),
 ]
-LIGHTNING_DECODE = LIGHTNING_FWD[:-1] + [
+LIGHTNING_DECODE = LIGHTNING_FWD[:-2] + [
     ("state_indices", P.POSITIONAL_OR_KEYWORD, None), ("inplace", P.POSITIONAL_OR_KEYWORD, False),
 ]
 
@@ -82,8 +83,8 @@ def test_argument_binding_errors_are_python_s():
         lightning_attn_fwd(q, q, v)
     with pytest.raises(TypeError, match="multiple values for argument 'q'"):
         lightning_attn_fwd(q, q, v, torch.rand(2), q=q)
-    with pytest.raises(TypeError, match="takes 8 positional arguments but 9"):
-        lightning_attn_fwd(q, q, v, torch.rand(2), None, None, False, None, 1)
+    with pytest.raises(TypeError, match="takes 9 positional arguments but 10"):
+        lightning_attn_fwd(q, q, v, torch.rand(2), None, None, False, None, None, 1)
     with pytest.raises(TypeError, match="unexpected keyword argument 'gk'"):  # chunk_gla has no **kwargs
         chunk_gla(q, q, v, torch.zeros_like(q), gk=q)
     # positional and keyword spellings bind the same way

@@ -72,6 +72,25 @@ def _forward_case(case: Case, scan: str, group, results: dict) -> None:
         results[(case.name, scan)] = (rel_err(o.reshape(o_ref.shape), o_ref), rel_err(s, s_ref))
 
 
+def _public_op_case(case: Case, group, results: dict) -> None:
+    """The public ops with ``cp_context=`` (dispatch's cula-cp candidate, local pass = the op itself)."""
+    import torch.distributed as dist
+
+    from cula.cp import build_cp_context, gather_final_state, gather_tokens
+    from cula.kda import chunk_kda
+    from cula.lightning import lightning_attn_fwd
+
+    inputs = make_inputs(case)
+    ctx = build_cp_context(_global_cu(case, inputs), group)
+    op = lightning_attn_fwd if case.variant == "lightning" else chunk_kda
+    o_local, s_local = op(**_local_inputs(case, inputs, ctx), output_final_state=True, cp_context=ctx)
+    o = gather_tokens(o_local, ctx)
+    s = gather_final_state(s_local, ctx, inputs.get("initial_state"))
+    if dist.get_rank(group) == 0:
+        o_ref, s_ref = oracle(case, inputs)
+        results[(case.name, "public-op")] = (rel_err(o.reshape(o_ref.shape), o_ref), rel_err(s, s_ref))
+
+
 def _grad_case(case: Case, group, results: dict) -> None:
     """Backward through the all-gather scan: every rank's local loss, summed, is the single-process loss."""
     import torch.distributed as dist
@@ -141,6 +160,7 @@ def _worker(rank: int, init_file: str, result_dir: str) -> None:
             for case in DIST_CASES:
                 for scan in SCANS:
                     _forward_case(case, scan, group, results)
+                _public_op_case(case, group, results)
             for case in GRAD_CASES:
                 _grad_case(case, group, results)
             _fla_context_case(group, results)
@@ -171,6 +191,14 @@ def gloo_runs() -> dict[str, dict]:
 @pytest.mark.parametrize("case", DIST_CASES, ids=lambda c: c.name)
 def test_gloo_equals_single_process(gloo_runs, group, case, scan):
     err_o, err_state = gloo_runs[group][(case.name, scan)]
+    assert err_o < TOL
+    assert err_state < TOL
+
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("case", DIST_CASES, ids=lambda c: c.name)
+def test_gloo_public_ops_with_cp_context(gloo_runs, group, case):
+    err_o, err_state = gloo_runs[group][(case.name, "public-op")]
     assert err_o < TOL
     assert err_state < TOL
 

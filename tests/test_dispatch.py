@@ -11,7 +11,7 @@ import torch
 
 import cula
 from cula import CulaFallbackWarning, _dispatch
-from cula._dispatch import CULA_SM90, FLA_TRITON, TORCH_REF
+from cula._dispatch import CULA_CP, CULA_SM90, FLA_TRITON, TORCH_REF
 from cula._warn import reset_fallback_warnings
 from cula.kda import chunk_kda, fused_recurrent_kda
 from cula.lightning import lightning_attn_decode, lightning_attn_fwd
@@ -106,10 +106,11 @@ def test_cpu_takes_torch_ref_silently(op, inputs):
 def test_backends_listing_without_inputs():
     table = cula.backends()
     assert set(table) == set(_dispatch.TABLE)
-    assert [s.backend for s in table["chunk_kda"]] == [CULA_SM90, FLA_TRITON, TORCH_REF]
+    assert [s.backend for s in table["chunk_kda"]] == [CULA_CP, CULA_SM90, FLA_TRITON, TORCH_REF]
+    assert table["chunk_kda"][0].available  # context parallel runs on any device
     assert table["chunk_kda"][-1].available and table["chunk_kda"][-1].reason is None
     if not torch.cuda.is_available():
-        assert table["chunk_kda"][0] == (CULA_SM90, False, "no CUDA device")
+        assert table["chunk_kda"][1] == (CULA_SM90, False, "no CUDA device")
     assert cula.backends("cula.gla.chunk_gla") == table["chunk_gla"]
     with pytest.raises(ValueError, match="^op:"):
         cula.backends("chunk_kdaa")
@@ -339,3 +340,29 @@ def test_real_kernel_modules_take_the_dispatch_arguments(name):
     kwargs = {arg: None for arg in _dispatch.KERNEL_ARGS[name]}
     inspect.signature(getattr(module, name)).bind(**kwargs)
     inspect.signature(module.supports).bind(**kwargs)
+
+
+def test_cp_context_takes_the_cp_candidate_and_plain_calls_never_see_it():
+    """cula-cp is considered only when cp_context is given; a one-rank context equals the plain call."""
+    import warnings
+
+    import cula
+    from cula.cp import build_cp_context
+    from cula.lightning import lightning_attn_fwd
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 37, 2, 16, dtype=torch.float64) for _ in range(3))
+    decay = torch.rand(2, dtype=torch.float64)
+    h0 = torch.randn(2, 2, 16, 16, dtype=torch.float64)
+    cu = torch.tensor([0, 20, 37])
+    ctx = build_cp_context(cu, None, rank=0, world_size=1)
+    assert cula.backends("lightning_attn_fwd", q, k, v, decay, cp_context=ctx).backend == "cula-cp"
+    plain = cula.backends("lightning_attn_fwd", q, k, v, decay)
+    assert plain.backend == "torch-ref" and all(s.backend != "cula-cp" for s in plain.skipped)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning for the ordinary path
+        o_ref, s_ref = lightning_attn_fwd(q, k, v, decay, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    o, s = lightning_attn_fwd(q, k, v, decay, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                              cp_context=ctx)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)  # fp64 both ways
+    torch.testing.assert_close(s, s_ref, rtol=1e-10, atol=1e-10)

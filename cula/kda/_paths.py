@@ -34,8 +34,35 @@ def _fla_only(inputs: Mapping[str, Any]) -> str | None:
     if inputs.get("return_intermediate_states"):
         return "return_intermediate_states=True is FLA's inference-mode output"
     if inputs.get("cp_context") is not None:
-        return "cp_context (context parallelism) runs through FLA"
+        return "cp_context runs through cula.cp (or FLA's own CP); this path is the single-rank pass"
     return None
+
+
+def _is_fla_context(ctx: Any) -> bool:
+    return type(ctx).__module__.startswith("fla.")
+
+
+def cp_chunk_limits(inputs: Mapping[str, Any]) -> str | None:
+    ctx = inputs["cp_context"]
+    has_state = inputs["initial_state"] is not None or inputs["output_final_state"]
+    if _is_fla_context(ctx) and inputs["q"].is_cuda and not has_state and not inputs.get("use_graph"):
+        return "an FLA FLACPContext on CUDA runs FLA's own CP kernels (they have a backward)"
+    return None
+
+
+def cp_chunk(inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Context parallel: each rank's local pass is chunk_kda without cp_context (dispatched as usual)."""
+    from cula.cp.kda import chunk_kda as cp_kda
+
+    names = ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+             "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound", "state_v_first",
+             "cu_seqlens")
+    extra = ("A_log", "dt_bias", "chunk_size", "disable_recompute", "cu_seqlens_cpu", "use_graph",
+             "return_intermediate_states")
+    return cp_kda(
+        inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], *(inputs[n] for n in names),
+        cp_context=inputs["cp_context"], **{n: inputs[n] for n in extra},
+    )
 
 
 # --- chunk_kda
@@ -48,6 +75,8 @@ def kernel_chunk_limits(inputs: Mapping[str, Any]) -> str | None:
 
 
 def fla_chunk_limits(inputs: Mapping[str, Any]) -> str | None:
+    if inputs.get("cp_context") is not None and (inputs["initial_state"] is not None or inputs["output_final_state"]):
+        return "FLA's CP takes no initial/final state"
     K = inputs["q"].shape[-1]
     if K > FLA_MAX_K:
         return f"FLA's chunk_kda takes head dim K <= {FLA_MAX_K}, got K={K}"

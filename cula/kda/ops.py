@@ -39,15 +39,18 @@ def _prepare_chunk(a: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     dims = V.check_qkv(q, a["k"], a["v"])
     device = q.device
     V.check_scale(a["scale"])
-    dims = V.check_cu_seqlens(a["cu_seqlens"], dims, device, a["cu_seqlens_cpu"])
+    # with cp_context the token inputs are this rank's piece while initial_state / cu_seqlens are
+    # global: cula.cp checks those against the context
+    cp = a["cp_context"] is not None
+    if not cp:
+        dims = V.check_cu_seqlens(a["cu_seqlens"], dims, device, a["cu_seqlens_cpu"])
     B, T, HV, K = dims.B, dims.T, dims.HV, dims.K
     V.check_gate("g", a["g"], (B, T, HV, K), "[B, T, HV, K]", device)
     V.check_gate("beta", a["beta"], (B, T, HV), "[B, T, HV]", device)
-    V.check_state("initial_state", a["initial_state"], dims, device, state_v_first=a["state_v_first"])
+    if not cp:
+        V.check_state("initial_state", a["initial_state"], dims, device, state_v_first=a["state_v_first"])
     _check_gate_flags(a, dims, device, chunked=True)
     V.check_chunk_size(a["chunk_size"], KDA_CHUNK_SIZES)
-    if a["cp_context"] is not None and (a["initial_state"] is not None or a["output_final_state"]):
-        raise ValueError("cp_context: expected initial_state=None and output_final_state=False with it (as FLA), got a state")
     return a
 
 
@@ -137,7 +140,9 @@ def chunk_kda(
         state_v_first: states in the V-first layout ``[N, HV, V, K]``.
         cu_seqlens: int32/int64 ``[N+1]`` cumulative lengths of packed inputs (``B == 1``).
         cu_seqlens_cpu: a host copy of ``cu_seqlens``; lets cula (and FLA) check and plan without a sync.
-        cp_context: FLA's context-parallel context (FLA path only; no states with it).
+        cp_context: a context-parallel context: ``cula.cp.build_cp_context(...)`` (runs through
+            :mod:`cula.cp`, states allowed) or FLA's ``FLACPContext`` (FLA's own CP on CUDA when no
+            states are asked for, else :mod:`cula.cp`). Inputs are then this rank's tokens.
         use_graph, max_num_seqs: FLA's fixed-shape varlen planning for CUDA-graph capture.
         **kwargs: ``A_log``, ``dt_bias``, ``chunk_size`` (32 or 64) and the deprecated
             ``transpose_state_layout``, as FLA takes them; unknown names are ignored with a warning.

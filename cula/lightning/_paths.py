@@ -11,8 +11,24 @@ from cula._dispatch import resolved_scale
 from cula._runners import compute_dtype, expand_heads, no_grad_for_frozen_decay, run_with_pool
 
 
+def no_cp_limits(inputs: Mapping[str, Any]) -> str | None:
+    if inputs.get("cp_context") is not None:
+        return "cp_context runs through cula.cp (this path is the single-rank pass)"
+    return None
+
+
+def cp_fwd(inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Context parallel: each rank's local pass is this op without cp_context (dispatched as usual)."""
+    from cula.cp.lightning import lightning_attn_fwd as cp_lightning
+
+    return cp_lightning(
+        inputs["q"], inputs["k"], inputs["v"], inputs["decay"], inputs["scale"], inputs["initial_state"],
+        inputs["output_final_state"], inputs["cu_seqlens"], cp_context=inputs["cp_context"],
+    )
+
+
 def fla_fwd_limits(inputs: Mapping[str, Any]) -> str | None:
-    return no_grad_for_frozen_decay(inputs, "FLA's simple_gla")
+    return no_cp_limits(inputs) or no_grad_for_frozen_decay(inputs, "FLA's simple_gla")
 
 
 def _fla_args(inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -20,6 +20,10 @@ def _prepare_common(a: dict[str, Any]) -> tuple[V.Dims, torch.device]:
 
 def _prepare_fwd(a: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     dims, device = _prepare_common(a)
+    if a["cp_context"] is not None:
+        # token inputs are this rank's piece while initial_state / cu_seqlens are global: cula.cp checks
+        # them against the context
+        return a
     dims = V.check_cu_seqlens(a["cu_seqlens"], dims, device)
     V.check_state("initial_state", a["initial_state"], dims, device)
     return a
@@ -41,6 +45,7 @@ def lightning_attn_fwd(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
+    cp_context: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Lightning Attention forward: ``S_t = exp(-decay_h) S_{t-1} + k_t^T v_t``, ``o_t = scale q_t S_t``.
 
@@ -59,6 +64,9 @@ def lightning_attn_fwd(
         output_final_state: also return the fp32 final state ``[N, HV, K, V]``.
         cu_seqlens: int32/int64 ``[N+1]`` cumulative sequence lengths of packed inputs (``B == 1``),
             starting at 0 and ending at ``T``, as in FlashAttention.
+        cp_context: context parallelism: a context from ``cula.cp.build_cp_context`` (or FLA's
+            ``FLACPContext``); the token inputs are then this rank's piece and the call is a collective
+            over the context's group (:mod:`cula.cp`). ``None``: one rank.
 
     Returns:
         ``(o, final_state)``: ``o: [B, T, HV, V]`` in the dtype of ``q``; ``final_state: [N, HV, K, V]``
