@@ -19,6 +19,28 @@ from cula._warn import CulaFallbackWarning
 __version__ = "0.1.0"
 
 _VARIANTS = ("kda", "gdn", "gla", "lightning", "ref")
+_TOP_LEVEL = ("kernels", "suites", "reports", "cli")  # installed as cula.<name> (pyproject package-dir)
+
+
+def _source_tree_fallback() -> None:
+    """Make ``cula.kernels`` & co. importable from a checkout that is not installed.
+
+    The install maps the top-level folders to ``cula.*``; without it (a plain ``python3`` in the repo
+    root, e.g. on a GPU machine whose setup skipped the install because ``import cula`` found this
+    folder) they would be missing and dispatch would silently lose the kernels. Then the repo root is
+    searched for those sub-packages too.
+    """
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if importlib.util.find_spec(f"{__name__}.kernels") is None and os.path.isfile(
+        os.path.join(root, "kernels", "__init__.py")
+    ):
+        __path__.append(root)  # noqa: F821 - the package's own __path__
+
+
+_source_tree_fallback()
 
 __all__ = ["CulaFallbackWarning", "backends", *_VARIANTS]
 
