@@ -252,9 +252,9 @@ _A = "cula.gla._paths"
 TABLE: dict[str, tuple[Candidate, ...]] = {
     "lightning_attn_fwd": (
         _cp(f"{_L}:cp_fwd"),
-        _kernel("lightning_fwd", f"{_L}:no_cp_limits"),
+        _kernel("lightning_fwd"),
         _fla(f"{_L}:fla_fwd", f"{_L}:fla_fwd_limits"),
-        _ref(f"{_L}:ref_fwd", f"{_L}:no_cp_limits"),
+        _ref(f"{_L}:ref_fwd"),
     ),
     "lightning_attn_decode": (
         _kernel("lightning_decode"),

@@ -47,11 +47,16 @@ def default_local_fn(variant: str) -> LocalFn:
     return fn
 
 
+def is_fla_context(cp_context: Any) -> bool:
+    """Whether ``cp_context`` is an ``fla.ops.cp.FLACPContext`` (checked by name: FLA stays optional)."""
+    return type(cp_context).__name__ == "FLACPContext"
+
+
 def as_context(cp_context: Any) -> CPContext:
     """Accept a :class:`CPContext` or an ``fla.ops.cp.FLACPContext``."""
     if isinstance(cp_context, CPContext):
         return cp_context
-    if type(cp_context).__name__ == "FLACPContext":
+    if is_fla_context(cp_context):
         return CPContext.from_fla(cp_context)
     raise ValueError(
         f"cp_context: expected a cula.cp.CPContext (cula.cp.build_cp_context) or an FLA FLACPContext, "

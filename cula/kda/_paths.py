@@ -38,14 +38,11 @@ def _fla_only(inputs: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _is_fla_context(ctx: Any) -> bool:
-    return type(ctx).__module__.startswith("fla.")
-
-
 def cp_chunk_limits(inputs: Mapping[str, Any]) -> str | None:
-    ctx = inputs["cp_context"]
+    from cula.cp._local import is_fla_context
+
     has_state = inputs["initial_state"] is not None or inputs["output_final_state"]
-    if _is_fla_context(ctx) and inputs["q"].is_cuda and not has_state and not inputs.get("use_graph"):
+    if is_fla_context(inputs["cp_context"]) and inputs["q"].is_cuda and not has_state and not inputs.get("use_graph"):
         return "an FLA FLACPContext on CUDA runs FLA's own CP kernels (they have a backward)"
     return None
 

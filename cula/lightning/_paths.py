@@ -11,12 +11,6 @@ from cula._dispatch import resolved_scale
 from cula._runners import compute_dtype, expand_heads, no_grad_for_frozen_decay, run_with_pool
 
 
-def no_cp_limits(inputs: Mapping[str, Any]) -> str | None:
-    if inputs.get("cp_context") is not None:
-        return "cp_context runs through cula.cp (this path is the single-rank pass)"
-    return None
-
-
 def cp_fwd(inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Context parallel: each rank's local pass is this op without cp_context (dispatched as usual)."""
     from cula.cp.lightning import lightning_attn_fwd as cp_lightning
@@ -28,7 +22,7 @@ def cp_fwd(inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None
 
 
 def fla_fwd_limits(inputs: Mapping[str, Any]) -> str | None:
-    return no_cp_limits(inputs) or no_grad_for_frozen_decay(inputs, "FLA's simple_gla")
+    return no_grad_for_frozen_decay(inputs, "FLA's simple_gla")
 
 
 def _fla_args(inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
