@@ -124,3 +124,35 @@ def new_final_state(
     if output_final_state:
         return torch.empty(shape, dtype=torch.float32, device=device)
     return None
+
+
+# The work split both decode kernels use: each warp owns V_PER_WARP values of V and all of K.
+V_PER_WARP = 8
+WARP_CHOICES = (4, 2, 1)  # warps per CTA: the most that still gives MIN_CTAS CTAs (small B: more SMs)
+MIN_CTAS = 128  # ~ one CTA per SM of the 132
+V_ALIGN = V_PER_WARP * max(WARP_CHOICES)  # V must be a multiple of the widest CTA
+MAX_T = 8  # tokens per call (decode, MTP / speculative verification)
+
+
+def pick_warps(B: int, HV: int, V: int) -> int:
+    """Warps per CTA: 4 when that still makes ~one CTA per SM, fewer at small B so the state of a few
+    heads is spread over more SMs (each SM's share of the bytes, hence its time, shrinks)."""
+    units = B * HV * (V // V_PER_WARP)  # warps of work
+    for warps in WARP_CHOICES:
+        if units // warps >= MIN_CTAS:
+            return warps
+    return WARP_CHOICES[-1]
+
+
+def decode_dims(q, k, v) -> tuple[int, int, int, int, int, int]:
+    """``(B, T, H, K, HV, V)`` of decode inputs q, k ``[B, T, H, K]`` and v ``[B, T, HV, V]``."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q: expected a 4-D tensor [B, T, H, K], got {shape_of(q)}")
+    B, T, H, K = q.shape
+    expect_shape("k", k, (B, T, H, K), "[B, T, H, K]")
+    if not isinstance(v, torch.Tensor) or v.dim() != 4 or tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"v: expected shape [B, T, HV, V] with B, T = {B}, {T}, got {shape_of(v)}")
+    HV, V = v.shape[2], v.shape[3]
+    if H == 0 or HV % H:
+        raise ValueError(f"v: expected HV (dim 2) a multiple of H = {H}, got HV = {HV}")
+    return B, T, H, K, HV, V

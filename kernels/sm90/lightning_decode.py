@@ -32,24 +32,25 @@ import torch
 
 from cula.kernels.common.decode_host import (
     ACT_DTYPES,
+    MAX_T,
+    V_ALIGN,
+    V_PER_WARP,
+    WARP_CHOICES,
     aligned,
     check_pool,
+    decode_dims as _dims,
     cutlass_dtype,
     dense,
     expect_numel,
     expect_shape,
     new_final_state,
+    pick_warps,
     shape_of,
     state_reason,
 )
 from cula.kernels.common.decode_tile import butterfly_sum, load1, vec, warp_sum
 from cula.kernels.common.fast_launch import ArgSpec, compile_launcher, current_stream_handle
 
-V_PER_WARP = 8  # columns of V a warp owns (x all of K)
-WARP_CHOICES = (4, 2, 1)  # warps per CTA: the most that still gives MIN_CTAS CTAs (small B: more SMs)
-MIN_CTAS = 128  # ~ one CTA per SM of the 132
-V_ALIGN = V_PER_WARP * max(WARP_CHOICES)  # V must be a multiple of the widest CTA
-MAX_T = 8  # tokens per call (decode, MTP / speculative verification)
 HEAD_DIMS_K = (64, 128, 256)  # 16 lanes x K/16 rows per thread
 #: Flipped to True once tests/test_kernel_lightning_decode.py passed on the H200.
 GPU_VALIDATED = False
@@ -245,14 +246,6 @@ def _specs(dtypes: tuple) -> tuple[ArgSpec, ...]:
             ArgSpec("f32"), ArgSpec("stream"))
 
 
-def pick_warps(B: int, HV: int, V: int) -> int:
-    """Warps per CTA: 4 when that still makes ~one CTA per SM, fewer at small B (see kda_decode)."""
-    units = B * HV * (V // V_PER_WARP)
-    for warps in WARP_CHOICES:
-        if units // warps >= MIN_CTAS:
-            return warps
-    return WARP_CHOICES[-1]
-
 
 def _launcher(key: tuple):
     hit = _cache.get(key)
@@ -262,18 +255,6 @@ def _launcher(key: tuple):
         _cache[key] = hit
     return hit
 
-
-def _dims(q, k, v) -> tuple[int, int, int, int, int, int]:
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(f"q: expected a 4-D tensor [B, T, H, K], got {shape_of(q)}")
-    B, T, H, K = q.shape
-    expect_shape("k", k, (B, T, H, K), "[B, T, H, K]")
-    if not isinstance(v, torch.Tensor) or v.dim() != 4 or tuple(v.shape[:2]) != (B, T):
-        raise ValueError(f"v: expected shape [B, T, HV, V] with B, T = {B}, {T}, got {shape_of(v)}")
-    HV, V = v.shape[2], v.shape[3]
-    if H == 0 or HV % H:
-        raise ValueError(f"v: expected HV (dim 2) a multiple of H = {H}, got HV = {HV}")
-    return B, T, H, K, HV, V
 
 
 def supports(
