@@ -10,6 +10,8 @@ no worse than FLA's own error (bf16 chunk states too) times 1.5 plus 2e-3.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -194,11 +196,19 @@ def _run_and_compare(inp, compare_fla=True, v_tile=None):
         except Exception as exc:  # FLA's own limits (e.g. empty segments) do not fail our kernel's test
             print(f"FLA comparison skipped: {type(exc).__name__}: {exc}")
             return o, st
+        # A non-finite FLA result (FLA 0.6.0 gives NaN states at large decay) says nothing about ours:
+        # the bound against the reference above still holds; only a finite FLA error tightens it.
         err_fla = rel_err(o_fla, o_ref)
-        assert err_o <= 1.5 * err_fla + 2e-3, f"o err {err_o:.3e} vs FLA {err_fla:.3e}"
+        if math.isfinite(err_fla):
+            assert err_o <= 1.5 * err_fla + 2e-3, f"o err {err_o:.3e} vs FLA {err_fla:.3e}"
+        else:
+            print(f"FLA output not finite (rel err {err_fla}); compared to the reference only")
         if inp["output_final_state"]:
             err_sf = rel_err(st_fla, st_ref)
-            assert err_s <= 1.5 * err_sf + 2e-3, f"state err {err_s:.3e} vs FLA {err_sf:.3e}"
+            if math.isfinite(err_sf):
+                assert err_s <= 1.5 * err_sf + 2e-3, f"state err {err_s:.3e} vs FLA {err_sf:.3e}"
+            else:
+                print(f"FLA final state not finite (rel err {err_sf}); compared to the reference only")
     return o, st
 
 

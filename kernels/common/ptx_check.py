@@ -72,6 +72,14 @@ _REG_RE = re.compile(r"Used (\d+) registers")
 _SMEM_RE = re.compile(r"(\d+) bytes smem")
 
 
+def fake_ptr(index: int, dtype, align: int = 16):
+    """A distinct, aligned placeholder global-memory pointer for compiling against (never dereferenced)."""
+    from cutlass.cute import AddressSpace
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(dtype, (1 << 40) + (index << 32), AddressSpace.gmem, assumed_align=align)
+
+
 def parse_ptxas_log(log: str) -> list[KernelResources]:
     """Split ``ptxas -v`` output into one record per entry function."""
     kernels: list[KernelResources] = []

@@ -66,7 +66,7 @@ HEAD_DIMS_K = (64, 128, 256)  # K: 16 lanes x K/16 rows (K-first) or 16 lanes x 
 L2NORM_EPS = 1e-6  # FLA's l2norm: x / sqrt(sum(x^2) + eps)
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above it, as FLA's
 #: Flipped to True once tests/test_kernel_kda_decode.py passed on the H200 (supports() says so until then).
-GPU_VALIDATED = False
+GPU_VALIDATED = True
 
 
 class KdaDecode:

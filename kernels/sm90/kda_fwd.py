@@ -24,7 +24,7 @@ import torch
 CHUNK = 64
 HEAD_DIM = 128
 # Flipped to True only once the GPU tests in tests/test_kernel_kda_fwd.py pass on the device.
-GPU_VALIDATED = False
+GPU_VALIDATED = True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -75,6 +75,20 @@ def supports(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, A_log, dt_bias)
     ):
         return "cula-sm90 kda_fwd: forward only (inputs require grad: FLA's autograd path is used)"
+    too_big = _too_big(q.shape[0] * q.shape[1], v.shape[2], cu_seqlens, q.shape[0])
+    if too_big:
+        return f"cula-sm90 kda_fwd: {too_big}"
+    return None
+
+
+def _too_big(total_tokens: int, num_heads_v: int, cu_seqlens: torch.Tensor | None, batch: int) -> str | None:
+    """Why the kernels' 32-bit offsets cannot address these sizes (None when they can)."""
+    n_seq = batch if cu_seqlens is None else max(cu_seqlens.numel() - 1, 1)
+    # chunk-padded scratch rows: at most one partial chunk per sequence
+    rows = total_tokens + CHUNK * n_seq
+    worst = max(rows * num_heads_v * HEAD_DIM, n_seq * num_heads_v * HEAD_DIM * HEAD_DIM)
+    if worst >= MAX_ELEMENTS:
+        return f"{worst} elements in one tensor exceed the 32-bit offsets (< {MAX_ELEMENTS})"
     return None
 
 
@@ -217,23 +231,28 @@ def _cute_dtype(dt: torch.dtype):
     import cutlass
 
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-            torch.float32: cutlass.Float32}[dt]
+            torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}[dt]
 
 
-def _to_cute(t: torch.Tensor, align: int = 16):
-    """A cute view of ``t``; ``align`` must equal the fake tensor's ``assumed_align`` it was compiled with."""
-    from cutlass.cute.runtime import from_dlpack
+#: Offsets inside the kernels are 32-bit: every tensor they index must have fewer elements than this.
+MAX_ELEMENTS = 2 ** 31
+
+
+def _ptr(t: torch.Tensor, align: int = 16):
+    """A global-memory pointer to ``t``'s data; ``align`` must equal what the kernel was compiled with."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
 
     if t.data_ptr() % align:
         raise ValueError(f"tensor data pointer {t.data_ptr():#x} is not {align}-byte aligned")
-    return from_dlpack(t, assumed_align=align)
+    dtype = _cute_dtype(t.dtype)
+    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
 def _launch(kind: str, key: tuple, make_kernel: Callable, make_fake_args: Callable, args: tuple) -> None:
-    """Compile once per (kind, static key) against fake tensors with dynamic extents, then call.
+    """Compile once per (kind, static key) against placeholder pointers and sizes, then call.
 
-    If the runtime tensors are not accepted by the fake-compiled function, compile once more against
-    the runtime arguments themselves (then cached under the same key).
+    The compiled host functions take only pointers and scalars, so one compile serves every shape.
     """
     import cutlass.cute as cute
 
@@ -241,16 +260,7 @@ def _launch(kind: str, key: tuple, make_kernel: Callable, make_fake_args: Callab
     if fn is None:
         fn = cute.compile(make_kernel(), *make_fake_args())
         _COMPILED[(kind, key)] = fn
-    try:
-        fn(*args)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        if _COMPILED.get((kind, key, "real")):
-            raise
-        warnings.warn(f"cula kda_fwd: {kind} kernel recompiled for runtime tensors ({exc})", stacklevel=2)
-        fn = cute.compile(make_kernel(), *args)
-        _COMPILED[(kind, key)] = fn
-        _COMPILED[(kind, key, "real")] = fn
-        fn(*args)
+    fn(*args)
 
 
 def kda_fwd(
@@ -297,6 +307,9 @@ def kda_fwd(
     scale = K ** -0.5 if scale is None else float(scale)
     qf, kf, vf, gf, bf, cu = _flatten(q, k, v, g, beta, cu_seqlens)
     qf, kf, vf, gf, bf = (x.contiguous() for x in (qf, kf, vf, gf, bf))
+    too_big = _too_big(B * T, HV, cu_seqlens, B)
+    if too_big:
+        raise ValueError(f"kda_fwd: {too_big}; split the batch")
     chunks, seqs, NC = chunk_tables(cu.to(dev))
     N = seqs.shape[0]
     o = torch.zeros(B * T, HV, V, dtype=v.dtype, device=dev)
@@ -333,11 +346,13 @@ def kda_fwd(
     dts = (_cute_dtype(q.dtype), _cute_dtype(g.dtype), _cute_dtype(beta.dtype))
     from cutlass.cute.runtime import make_fake_stream
 
+    i32, f32 = cutlass.Int32, cutlass.Float32
     _launch("intra", (tuple(sorted(flags.items())), dts), lambda: intra.KdaFwdIntra(**flags),
             lambda: (*intra.fake_args(*dts), make_fake_stream()),
-            (*(_to_cute(t) for t in (qf, kf, vf, gf)), _to_cute(bf, 4), _to_cute(a_log, 4), _to_cute(dtb, 4),
-             _to_cute(chunks, 8), *(_to_cute(t) for t in (w, u, qg, aqk, kgt, gam)),
-             cutlass.Float32(scale), cutlass.Float32(lower_bound if lower_bound is not None else 0.0), stream))
+            (*(_ptr(t) for t in (qf, kf, vf, gf)), _ptr(bf, 4), _ptr(a_log, 4), _ptr(dtb, 4), _ptr(chunks, 8),
+             *(_ptr(t) for t in (w, u, qg, aqk, kgt, gam)),
+             i32(B * T), i32(H), i32(HV), i32(NC), f32(scale),
+             f32(lower_bound if lower_bound is not None else 0.0), stream))
 
     rflags = dict(has_initial_state=initial_state is not None, output_final_state=bool(output_final_state),
                   state_v_first=bool(state_v_first))
@@ -345,9 +360,8 @@ def kda_fwd(
     o_dt = _cute_dtype(v.dtype)
     _launch("recur", (tuple(sorted(rflags.items())), o_dt), lambda: recur.KdaFwdRecur(**rflags),
             lambda: (*recur.fake_args(o_dt), make_fake_stream()),
-            (_to_cute(w.permute(1, 2, 0)), _to_cute(qg.permute(1, 2, 0)), _to_cute(aqk.permute(1, 2, 0)),
-             _to_cute(kgt.permute(1, 2, 0)), _to_cute(u), _to_cute(gam), _to_cute(chunks, 8), _to_cute(seqs, 8),
-             *(_to_cute(t) for t in (o, h0, ht_arg)), stream))
+            (*(_ptr(t) for t in (w, qg, aqk, kgt, u, gam)), _ptr(chunks, 8), _ptr(seqs, 8),
+             *(_ptr(t) for t in (o, h0, ht_arg)), i32(B * T), i32(HV), i32(NC), i32(N), stream))
     out = o.reshape(B, T, HV, V)
     if output_final_state and N == 0:
         ht = None

@@ -135,7 +135,11 @@ def main(argv: list[str]) -> int:
     n_ok = 0
     t0 = time.time()
     deadline = float(argv[argv.index("--deadline") + 1]) if "--deadline" in argv else 1e9
-    for case in CASES[:3] if "--quick" in argv else CASES:
+    cases = CASES[:3] if "--quick" in argv else CASES
+    if "--cases" in argv:  # comma list of case names
+        wanted = argv[argv.index("--cases") + 1].split(",")
+        cases = [c for c in CASES if c[0] in wanted]
+    for case in cases:
         if time.time() - t0 > deadline:
             print(f"case {case[0]}: skipped (deadline)", flush=True)
             continue
@@ -147,10 +151,10 @@ def main(argv: list[str]) -> int:
         n_ok += ok
         print(f"case {case[0]}: {'PASS' if ok else 'FAIL'} "
               + " ".join(f"{k}={v:.2e}" for k, v in errs.items()), flush=True)
-    print(f"correctness: {n_ok}/{len(CASES)} passed in {time.time() - t0:.1f} s", flush=True)
+    print(f"correctness: {n_ok}/{len(cases)} passed in {time.time() - t0:.1f} s", flush=True)
     if "--no-bench" not in argv and n_ok > 0 and time.time() - t0 < deadline:
         try:
             bench(dev)
         except Exception:  # noqa: BLE001
             print(f"bench: EXCEPTION\n{traceback.format_exc()[-3000:]}", flush=True)
-    return 0 if n_ok == len(CASES) else 1
+    return 0 if n_ok == len(cases) else 1

@@ -53,7 +53,7 @@ from cula.kernels.common.fast_launch import ArgSpec, compile_launcher, current_s
 
 HEAD_DIMS_K = (64, 128, 256)  # 16 lanes x K/16 rows per thread
 #: Flipped to True once tests/test_kernel_lightning_decode.py passed on the H200.
-GPU_VALIDATED = False
+GPU_VALIDATED = True
 
 
 class LightningDecode:
