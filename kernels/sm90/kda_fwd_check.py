@@ -48,7 +48,10 @@ def _inputs(name, B, T, H, HV, cu, flags, dev, seed=0):
         g = r(B, T, HV, 128).to(dev, torch.bfloat16)
     beta = (r(B, T, HV) if flags.get("use_beta_sigmoid_in_kernel") else torch.rand(B, T, HV, generator=gen)).to(dev, torch.bfloat16)
     if cu == "33":
-        lens = torch.randint(0, 80, (33,), generator=gen)
+        # 32 lengths in [0, 40] sum to at most 1280 < T = 1320, so the last one is >= 40; one empty and
+        # one single-token segment are always among them
+        lens = torch.randint(0, 41, (33,), generator=gen)
+        lens[3], lens[7] = 0, 1
         lens[-1] = T - lens[:-1].sum()
         cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).tolist()
         assert cu[-1] == T and lens[-1] >= 0
