@@ -284,6 +284,7 @@ def kda_fwd(
     cu_seqlens: torch.Tensor | None = None,
     *,
     return_scratch: bool = False,
+    stages: tuple[str, ...] = ("intra", "recur"),
 ):
     """KDA forward on the two SM90 kernels.
 
@@ -293,7 +294,8 @@ def kda_fwd(
     cu_seqlens int32/int64 ``[N+1]`` with ``B == 1``. ``safe_gate`` changes nothing here (the math is
     exact for any gate).
     Returns: ``o [B, T, HV, 128]`` (v's dtype) and the fp32 final state (or None); with
-    ``return_scratch`` also the stage-1 scratch dict.
+    ``return_scratch`` also the stage-1 scratch dict. ``stages`` (profiling only) names the kernels
+    to launch; leaving one out gives wrong outputs but times the other alone.
     """
     import cuda.bindings.driver as cuda
     import cutlass
@@ -347,21 +349,23 @@ def kda_fwd(
     from cutlass.cute.runtime import make_fake_stream
 
     i32, f32 = cutlass.Int32, cutlass.Float32
-    _launch("intra", (tuple(sorted(flags.items())), dts), lambda: intra.KdaFwdIntra(**flags),
-            lambda: (*intra.fake_args(*dts), make_fake_stream()),
-            (*(_ptr(t) for t in (qf, kf, vf, gf)), _ptr(bf, 4), _ptr(a_log, 4), _ptr(dtb, 4), _ptr(chunks, 8),
-             *(_ptr(t) for t in (w, u, qg, aqk, kgt, gam)),
-             i32(B * T), i32(H), i32(HV), i32(NC), f32(scale),
-             f32(lower_bound if lower_bound is not None else 0.0), stream))
+    if "intra" in stages:
+        _launch("intra", (tuple(sorted(flags.items())), dts), lambda: intra.KdaFwdIntra(**flags),
+                lambda: (*intra.fake_args(*dts), make_fake_stream()),
+                (*(_ptr(t) for t in (qf, kf, vf, gf)), _ptr(bf, 4), _ptr(a_log, 4), _ptr(dtb, 4), _ptr(chunks, 8),
+                 *(_ptr(t) for t in (w, u, qg, aqk, kgt, gam)),
+                 i32(B * T), i32(H), i32(HV), i32(NC), f32(scale),
+                 f32(lower_bound if lower_bound is not None else 0.0), stream))
 
     rflags = dict(has_initial_state=initial_state is not None, output_final_state=bool(output_final_state),
                   state_v_first=bool(state_v_first))
     ht_arg = ht if ht is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=dev)
     o_dt = _cute_dtype(v.dtype)
-    _launch("recur", (tuple(sorted(rflags.items())), o_dt), lambda: recur.KdaFwdRecur(**rflags),
-            lambda: (*recur.fake_args(o_dt), make_fake_stream()),
-            (*(_ptr(t) for t in (w, qg, aqk, kgt, u, gam)), _ptr(chunks, 8), _ptr(seqs, 8),
-             *(_ptr(t) for t in (o, h0, ht_arg)), i32(B * T), i32(HV), i32(NC), i32(N), stream))
+    if "recur" in stages:
+        _launch("recur", (tuple(sorted(rflags.items())), o_dt), lambda: recur.KdaFwdRecur(**rflags),
+                lambda: (*recur.fake_args(o_dt), make_fake_stream()),
+                (*(_ptr(t) for t in (w, qg, aqk, kgt, u, gam)), _ptr(chunks, 8), _ptr(seqs, 8),
+                 *(_ptr(t) for t in (o, h0, ht_arg)), i32(B * T), i32(HV), i32(NC), i32(N), stream))
     out = o.reshape(B, T, HV, V)
     if output_final_state and N == 0:
         ht = None

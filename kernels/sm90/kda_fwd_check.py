@@ -129,6 +129,31 @@ def bench(dev, shapes=((1, 8192, 64), (2, 16384, 64))):
     return rows
 
 
+def split(dev, shapes=((1, 4096, 64), (2, 4096, 64), (1, 16384, 64))) -> list[dict]:
+    """Time each stage alone and both together (median ms, L2 flushed by do_bench), with the suite's flags."""
+    import triton.testing
+
+    from cula.kernels.sm90.kda_fwd import kda_fwd
+
+    rows = []
+    for B, T, H in shapes:
+        q, k, v, g = (torch.randn(B, T, H, 128, device=dev, dtype=torch.bfloat16) for _ in range(4))
+        beta = torch.randn(B, T, H, device=dev, dtype=torch.bfloat16)
+        h0 = torch.zeros(B, H, 128, 128, device=dev)
+        kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                  A_log=torch.randn(H, device=dev), dt_bias=torch.randn(H * 128, device=dev) * 0.1,
+                  lower_bound=-5.0, safe_gate=True, initial_state=h0, output_final_state=True)
+        row = dict(B=B, T=T, H=H)
+        for name, st in (("both", ("intra", "recur")), ("intra", ("intra",)), ("recur", ("recur",)),
+                         ("host", ())):
+            row[name] = triton.testing.do_bench(lambda: kda_fwd(q, k, v, g, beta, **kw, stages=st),
+                                                warmup=20, rep=200, return_mode="median")
+        print(f"split B{B} T{T} H{H}: " + " ".join(f"{n}={row[n]:.3f}ms" for n in ("both", "intra", "recur", "host")),
+              flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str]) -> int:
     dev = torch.device("cuda")
     try:
@@ -138,6 +163,9 @@ def main(argv: list[str]) -> int:
     n_ok = 0
     t0 = time.time()
     deadline = float(argv[argv.index("--deadline") + 1]) if "--deadline" in argv else 1e9
+    if "--split" in argv:
+        split(dev)
+        return 0
     cases = CASES[:3] if "--quick" in argv else CASES
     if "--cases" in argv:  # comma list of case names
         wanted = argv[argv.index("--cases") + 1].split(",")
