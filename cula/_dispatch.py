@@ -8,7 +8,9 @@ the first that can take the inputs:
 1. ``cula-sm90``: our CuTe DSL kernel ``cula.kernels.sm90.<module>``, imported lazily. Unavailable when
    the inputs are not on a CUDA device, the GPU is not Hopper (sm_90), the module is missing or fails to
    import (e.g. no CuTe DSL), gradients are requested (no backward kernels yet), or the module's own
-   ``supports(...)`` gives a reason (kernels say "not validated" until their GPU tests pass).
+   ``supports(...)`` gives a reason (kernels say "not validated" until their GPU tests pass). A kernel
+   that is correct but measured slower than FLA sets ``DISPATCH_OFF`` (the measured reason) and is
+   passed over silently unless ``CULA_KERNELS=<name>`` (or ``all``) opts in.
 2. ``fla-triton``: FLA 0.6.0's Triton op on CUDA tensors.
 3. ``torch-ref``: the exact torch references in :mod:`cula.ref` (any device; the CPU path; differentiable).
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -118,6 +121,26 @@ def load_kernel(name: str) -> tuple[Any, str | None]:
     return _kernels[name]
 
 
+#: Environment variable naming kernels to dispatch to although their module sets ``DISPATCH_OFF``
+#: (comma list of kernel names, or ``all``).
+OPT_IN_ENV = "CULA_KERNELS"
+
+
+def opted_in(kernel: str) -> bool:
+    """Whether the user asked for ``kernel`` through ``CULA_KERNELS``."""
+    wanted = {w.strip() for w in os.environ.get(OPT_IN_ENV, "").split(",") if w.strip()}
+    return kernel in wanted or "all" in wanted
+
+
+def default_off_reason(kernel: str, module: Any) -> str | None:
+    """Why dispatch passes over a working kernel by default (its module's ``DISPATCH_OFF``: a kernel
+    that is correct but measured slower than FLA), or None when it is on or opted in."""
+    off = getattr(module, "DISPATCH_OFF", None)
+    if not off or opted_in(kernel):
+        return None
+    return f"{off}; opt in with {OPT_IN_ENV}={kernel}"
+
+
 def clear_caches() -> None:
     """Forget imported kernels and resolved runners (tests inject fake kernel modules)."""
     _kernels.clear()
@@ -178,7 +201,10 @@ class Candidate:
         arch = device_arch(device) if device is not None else _current_arch()
         if arch != HOPPER:
             return f"GPU is sm_{arch[0]}{arch[1]}, the cula kernels need Hopper (sm_90)"
-        return load_kernel(self.kernel)[1]
+        module, reason = load_kernel(self.kernel)
+        if reason is not None:
+            return reason
+        return default_off_reason(self.kernel, module)
 
     # -- inputs: why these inputs cannot take this candidate, or None
 

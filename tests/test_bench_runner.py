@@ -289,3 +289,52 @@ def test_error_metrics_slice_by_slice(monkeypatch):
     assert not ok and "o rel-L2 nan" in why
     with pytest.raises(ValueError, match="shape mismatch"):
         c.rel_l2(x, r[:2])
+
+
+# --- the oracle's out-of-memory retry -----------------------------------------------------------------
+def _flaky_oracle(failures, message="CUDA out of memory. Tried to allocate 5.13 GiB"):
+    calls = []
+
+    def oracle(inputs):
+        calls.append(inputs)
+        if len(calls) <= failures:
+            raise RuntimeError(message)
+        return ("outputs", "name")
+
+    return oracle, calls
+
+
+def test_oracle_out_of_memory_is_retried_once_after_freeing(monkeypatch):
+    import torch
+
+    from cula.bench import runner
+
+    freed = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed.append(1))
+    oracle, calls = _flaky_oracle(1)
+    assert runner._oracle_with_retry(oracle, "inp", "cuda") == ("outputs", "name")
+    assert len(calls) == 2 and freed
+
+
+def test_oracle_second_out_of_memory_names_the_memory_in_use(monkeypatch):
+    import torch
+
+    from cula.bench import runner
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 36 * 2**30)
+    oracle, calls = _flaky_oracle(2)
+    with pytest.raises(RuntimeError, match=r"138.0 GiB in use, 36.0 GiB held by torch tensors"):
+        runner._oracle_with_retry(oracle, "inp", "cuda")
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("device, message", [("cuda", "shape mismatch"), ("cpu", "CUDA out of memory")])
+def test_oracle_other_errors_and_cpu_runs_are_not_retried(device, message):
+    from cula.bench import runner
+
+    oracle, calls = _flaky_oracle(1, message)
+    with pytest.raises(RuntimeError, match=message):
+        runner._oracle_with_retry(oracle, "inp", device)
+    assert len(calls) == 1

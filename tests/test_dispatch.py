@@ -172,6 +172,31 @@ def test_kernel_path_calls_host_with_interface_arguments(hopper, monkeypatch):
     assert cula.backends("lightning_attn_fwd", **x).backend == CULA_SM90
 
 
+@pytest.mark.parametrize("opt_in, chosen", [(None, FLA_TRITON), ("kda_fwd", CULA_SM90), ("all", CULA_SM90),
+                                             ("lightning_fwd", FLA_TRITON), (" kda_decode , kda_fwd", CULA_SM90)])
+def test_a_kernel_slower_than_fla_is_off_by_default_and_opt_in(hopper, monkeypatch, opt_in, chosen):
+    mod = fake_kernel(monkeypatch, "kda_fwd")
+    mod.DISPATCH_OFF = "cula-sm90 kda_fwd: correct but measured 0.3x FLA"
+    if opt_in is None:
+        monkeypatch.delenv(_dispatch.OPT_IN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(_dispatch.OPT_IN_ENV, opt_in)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CulaFallbackWarning)  # a policy, not these inputs: no warning
+        d = cula.backends("chunk_kda", **kda())
+    assert d.backend == chosen
+    if chosen == FLA_TRITON:
+        skip = d.skipped[0]
+        assert skip.backend == CULA_SM90 and skip.environmental
+        assert "measured 0.3x FLA" in skip.reason and "CULA_KERNELS=kda_fwd" in skip.reason
+
+
+def test_real_kda_fwd_is_off_by_default_while_slower():
+    from cula.kernels.sm90 import kda_fwd
+
+    assert kda_fwd.GPU_VALIDATED and kda_fwd.DISPATCH_OFF  # flip DISPATCH_OFF with a faster committed run
+
+
 def test_kda_kernels_get_their_argument_lists(hopper, monkeypatch):
     fwd = fake_kernel(monkeypatch, "kda_fwd")
     dec = fake_kernel(monkeypatch, "kda_decode")

@@ -114,3 +114,14 @@ def test_gpu_kernel_matches_reference(case):
         chunk_kda = None
     ok, errs = chk.check_case(case, torch.device("cuda"), chunk_kda)
     assert ok, errs
+
+
+@pytest.mark.parametrize("B, T", [(1, 1), (2, 63), (3, 64), (2, 65), (1, 1000)])
+def test_fixed_length_tables_equal_the_general_ones_and_are_cached(B, T):
+    from cula.kernels.sm90.kda_fwd import chunk_tables, fixed_length_tables
+
+    chunks, seqs, nc = fixed_length_tables(B, T, "cpu")
+    ref_chunks, ref_seqs, ref_nc = chunk_tables(torch.arange(B + 1) * T)
+    assert nc == ref_nc == B * -(-T // 64)
+    assert torch.equal(chunks, ref_chunks) and torch.equal(seqs, ref_seqs)
+    assert fixed_length_tables(B, T, "cpu")[0] is chunks  # no per-call rebuild (and no host sync)

@@ -63,8 +63,15 @@ def _fla_version() -> str:
 
 
 def git_state(root: Path = REPO_ROOT) -> tuple[str, bool | None]:
-    """(short sha, dirty) of the checkout at ``root``; ``CULA_GIT_SHA`` overrides when git is absent."""
+    """(short sha, dirty) of the checkout at ``root``.
+
+    ``CULA_GIT_SHA`` (and ``CULA_GIT_DIRTY``), when set, win over git: a copied work tree (the device
+    machine's) can carry a stale ``.git`` whose HEAD is not the code that runs.
+    """
     env_sha = os.environ.get("CULA_GIT_SHA")
+    if env_sha:
+        dirty_env = os.environ.get("CULA_GIT_DIRTY")
+        return env_sha[:10], None if dirty_env is None else dirty_env not in ("0", "false", "")
     try:
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=10", "HEAD"],
                              capture_output=True, text=True, timeout=10)
@@ -75,9 +82,6 @@ def git_state(root: Path = REPO_ROOT) -> tuple[str, bool | None]:
                             capture_output=True, text=True, timeout=20)
         return sha.stdout.strip(), bool(st.stdout.strip())
     except (OSError, subprocess.SubprocessError):
-        if env_sha:
-            dirty_env = os.environ.get("CULA_GIT_DIRTY")
-            return env_sha[:10], None if dirty_env is None else dirty_env not in ("0", "false", "")
         return "unknown", None
 
 

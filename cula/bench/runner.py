@@ -232,7 +232,7 @@ def measure_config(cfg: Config, impls: dict[str, Any], order: list[str], timer: 
     inputs = build_inputs(cfg, device)
     ref_out, oracle_name, oracle_err = None, "", ""
     try:
-        ref_out, oracle_name = oracle(inputs)
+        ref_out, oracle_name = _oracle_with_retry(oracle, inputs, device)
     except Exception as exc:
         oracle_err = f"oracle failed: {_short(exc)}"
     rows: list[Row] = []
@@ -299,9 +299,41 @@ def measure_config(cfg: Config, impls: dict[str, Any], order: list[str], timer: 
     del ref_out
     if device == "cuda":
         gc.collect()  # drop reference cycles holding device memory before the next config's inputs
+        _release_cached_memory()
     if fatal:
         raise FatalDeviceError(fatal, rows)
     return rows
+
+
+def _release_cached_memory() -> None:
+    try:
+        import torch
+
+        torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
+def _oracle_with_retry(oracle: Callable[[Any], Any], inputs: Any, device: str) -> Any:
+    """The oracle's outputs; on a CUDA out-of-memory error, once more after freeing what can be freed
+    (the fp32 reference of a long sequence is the largest allocation of a config). A second failure
+    names the memory in use, so a leak across configs shows in the flagged row."""
+    try:
+        return oracle(inputs)
+    except Exception as exc:
+        if device != "cuda" or "out of memory" not in str(exc).lower():
+            raise
+    gc.collect()
+    _release_cached_memory()
+    try:
+        return oracle(inputs)
+    except Exception as exc:
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        held = torch.cuda.memory_allocated() / 2**30
+        raise RuntimeError(f"{_short(exc)} (retried after freeing; {(total - free) / 2**30:.1f} GiB in use, "
+                           f"{held:.1f} GiB held by torch tensors)") from exc
 
 
 @dataclass

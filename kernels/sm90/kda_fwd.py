@@ -25,6 +25,10 @@ CHUNK = 64
 HEAD_DIM = 128
 # Flipped to True only once the GPU tests in tests/test_kernel_kda_fwd.py pass on the device.
 GPU_VALIDATED = True
+# Correct, but slower than FLA: dispatch keeps FLA unless CULA_KERNELS=kda_fwd. Cleared when the
+# `kda` suite shows this kernel ahead (run 20261202-172916-h200-510df0f-4304: 0.25-0.36x of FLA from
+# T=1024 up; the SIMT intra-chunk stage takes ~87% of the time, see kda_fwd.md).
+DISPATCH_OFF: str | None = "cula-sm90 kda_fwd: correct but measured 0.25-0.36x FLA 0.6.0 on H200"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,6 +114,21 @@ def chunk_tables(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     chunks = torch.stack([tok0, nvalid], 1).to(torch.int32).contiguous()
     seqs = torch.stack([first, nch], 1).to(torch.int32).contiguous()
     return chunks, seqs, num_chunks
+
+
+_FIXED_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+
+def fixed_length_tables(B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """:func:`chunk_tables` of ``B`` sequences of ``T`` tokens, built on the host once per shape and kept
+    on ``device``: a fixed-length call then needs no device-to-host sync (CUDA-graph capturable)."""
+    key = (B, T, str(device))
+    tables = _FIXED_TABLES.get(key)
+    if tables is None:
+        chunks, seqs, nc = chunk_tables(torch.arange(B + 1, dtype=torch.int64) * T)
+        tables = (chunks.to(device), seqs.to(device), nc)
+        _FIXED_TABLES[key] = tables
+    return tables
 
 
 def _flatten(q, k, v, g, beta, cu_seqlens):
@@ -312,7 +331,10 @@ def kda_fwd(
     too_big = _too_big(B * T, HV, cu_seqlens, B)
     if too_big:
         raise ValueError(f"kda_fwd: {too_big}; split the batch")
-    chunks, seqs, NC = chunk_tables(cu.to(dev))
+    if cu_seqlens is None:
+        chunks, seqs, NC = fixed_length_tables(B, T, dev)
+    else:
+        chunks, seqs, NC = chunk_tables(cu.to(dev))
     N = seqs.shape[0]
     o = torch.zeros(B * T, HV, V, dtype=v.dtype, device=dev)
     if initial_state is not None:
