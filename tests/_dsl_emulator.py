@@ -172,6 +172,14 @@ class Tensor:
         assert not np.isnan(val), f"{self.ptr.name}: read of an element never written"
         return F(val)
 
+    @property
+    def element_type(self) -> "_Dtype":
+        return self.ptr.dtype
+
+    def fill(self, value) -> None:
+        for i in range(self.layout.size):
+            self[i] = value
+
     def __setitem__(self, idx, value):
         self.ptr.buf[self._offset(idx)] = self.ptr.dtype.convert(value).v if self.ptr.dtype.kind == "float" \
             else int(value)
@@ -275,6 +283,8 @@ cutlass = types.SimpleNamespace(
     range=lambda *a, unroll=None, **k: range(*[int(x) for x in a]),
     range_constexpr=lambda *a: range(*a),
     const_expr=lambda x: x,
+    min=lambda a, b: a if a <= b else b,
+    max=lambda a, b: a if a >= b else b,
     utils=types.SimpleNamespace(SmemAllocator=_SmemAllocator),
 )
 

@@ -83,7 +83,8 @@ def test_supports_reports_not_validated_on_cpu():
     assert isinstance(reason, str) and reason
 
 
-@pytest.mark.parametrize("target,needs_wgmma", [("intra", False), ("recur", True), ("recur_v_first", True)])
+@pytest.mark.parametrize("target,needs_wgmma", [("intra", False), ("intra_blocked_inverse", False), ("recur", True),
+                                               ("recur_v_first", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report

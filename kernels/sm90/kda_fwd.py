@@ -27,8 +27,13 @@ HEAD_DIM = 128
 GPU_VALIDATED = True
 # Correct, but slower than FLA: dispatch keeps FLA unless CULA_KERNELS=kda_fwd. Cleared when the
 # `kda` suite shows this kernel ahead (run 20261202-172916-h200-510df0f-4304: 0.25-0.36x of FLA from
-# T=1024 up; the SIMT intra-chunk stage takes ~87% of the time, see kda_fwd.md).
-DISPATCH_OFF: str | None = "cula-sm90 kda_fwd: correct but measured 0.25-0.36x FLA 0.6.0 on H200"
+# T=4096 up, geomean 0.44x fixed / 0.29x varlen; the SIMT intra-chunk stage takes ~87% of the time,
+# see kda_fwd.md).
+# Stage 1's way of inverting I + Akk (kda_fwd_intra.INVERSES): "column" is the validated one;
+# "blocked" passed the CPU emulation of the kernel source and awaits its GPU check
+# (python -m cula.kernels.sm90.kda_fwd --check --inverse blocked).
+INTRA_INVERSE = "column"
+DISPATCH_OFF: str | None = "cula-sm90 kda_fwd: correct but measured slower than FLA 0.6.0 on H200 (0.25-0.36x from T=4096)"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -365,7 +370,7 @@ def kda_fwd(
         has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
         use_lower_bound=bool(use_gate_in_kernel and lower_bound is not None),
         use_beta_sigmoid=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval),
-        group=HV // H,
+        group=HV // H, inverse=INTRA_INVERSE,
     )
     dts = (_cute_dtype(q.dtype), _cute_dtype(g.dtype), _cute_dtype(beta.dtype))
     from cutlass.cute.runtime import make_fake_stream

@@ -163,6 +163,11 @@ def main(argv: list[str]) -> int:
     n_ok = 0
     t0 = time.time()
     deadline = float(argv[argv.index("--deadline") + 1]) if "--deadline" in argv else 1e9
+    if "--inverse" in argv:  # try stage 1's other inverse (kda_fwd_intra.INVERSES)
+        from cula.kernels.sm90 import kda_fwd as kf
+
+        kf.INTRA_INVERSE = argv[argv.index("--inverse") + 1]
+        print(f"stage 1 inverse: {kf.INTRA_INVERSE}", flush=True)
     if "--split" in argv:
         split(dev)
         return 0

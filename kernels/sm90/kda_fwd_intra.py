@@ -36,6 +36,10 @@ THREADS = 256
 PAD = DK + 1  # fp32 row pitch in smem: consecutive rows start in different banks
 RCP_LN2 = 1.0 / math.log(2.0)
 L2NORM_EPS = 1e-6
+# How T = (I + Akk)^-1 is formed: "column" (validated on the H200 2026-12-02) runs a 64-step forward
+# substitution per column; "blocked" inverts the four 16x16 diagonal blocks the same way (16 steps),
+# then fills the off-diagonal blocks by 16x16 products, distance by distance (not yet run on a GPU).
+INVERSES = ("column", "blocked")
 
 
 class KdaFwdIntra:
@@ -51,6 +55,7 @@ class KdaFwdIntra:
         use_beta_sigmoid: bool,
         allow_neg_eigval: bool,
         group: int,
+        inverse: str = "column",
     ):
         self.use_qk_l2norm = use_qk_l2norm
         self.use_gate = use_gate
@@ -60,6 +65,9 @@ class KdaFwdIntra:
         self.use_beta_sigmoid = use_beta_sigmoid
         self.beta_mult = 2.0 if allow_neg_eigval else 1.0
         self.group = group  # HV // H
+        if inverse not in INVERSES:
+            raise ValueError(f"inverse: expected one of {INVERSES}, got {inverse!r}")
+        self.inverse = inverse
 
     @cute.jit
     def __call__(
@@ -299,15 +307,29 @@ class KdaFwdIntra:
         # ---- phase 5: T = (I + Akk)^-1 (threads 0..63, one column each, in registers);
         # the other threads stage β k 2^Γ (into sQ) and β v (into sX) for phase 6.
         if tidx < CHUNK:
-            # column c = tidx of T by forward substitution: T[i,c] = δ_ic − Σ_{c≤j<i} Akk[i,j] T[j,c]
-            # (entries above the diagonal are zero, so the sum may start at j = 0)
-            for i in cutlass.range(CHUNK, unroll=1):
-                acc = f32(0.0)
-                if tidx == i:
-                    acc = f32(1.0)
-                for jk in cutlass.range(i, unroll=4):
-                    acc = acc - sA[i, jk] * sT[jk, tidx]
-                sT[i, tidx] = acc
+            if cutlass.const_expr(self.inverse == "column"):
+                # column c = tidx of T by forward substitution: T[i,c] = δ_ic − Σ_{c≤j<i} Akk[i,j] T[j,c]
+                # (entries above the diagonal are zero, so the sum may start at j = 0)
+                for i in cutlass.range(CHUNK, unroll=1):
+                    acc = f32(0.0)
+                    if tidx == i:
+                        acc = f32(1.0)
+                    for jk in cutlass.range(i, unroll=4):
+                        acc = acc - sA[i, jk] * sT[jk, tidx]
+                    sT[i, tidx] = acc
+            else:
+                # the same substitution inside the 16x16 diagonal block of column tidx only: a
+                # 16-step dependency chain instead of 64 (the off-diagonal blocks follow below)
+                base = (tidx // SUB) * SUB
+                for i in cutlass.range_constexpr(SUB):
+                    acc = f32(0.0)
+                    if tidx % SUB == i:
+                        acc = f32(1.0)
+                    for jk in cutlass.range_constexpr(i):
+                        acc = acc - sA[base + i, base + jk] * sT[base + jk, tidx]
+                    sT[base + i, tidx] = acc
+                for r in cutlass.range(base, unroll=1):  # above the diagonal block: zero
+                    sT[r, tidx] = f32(0.0)
         else:
             for it in cutlass.range(CHUNK * DK // (THREADS - CHUNK) + 1, unroll=1):
                 e = (tidx - CHUNK) + it * (THREADS - CHUNK)
@@ -321,6 +343,25 @@ class KdaFwdIntra:
                         vv = mV[tok0 + r, hv, d].to(f32)
                     sX[r, d] = b * vv
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.inverse == "blocked"):
+            # off-diagonal blocks, nearest the diagonal first (block row I, column J = I - dist):
+            #   T_IJ = −T_II Σ_{J≤K<I} A_IK T_KJ      (L = I + Akk unit lower triangular, T_II = L_II^-1)
+            # one 16x16 element (ii, jj) per thread and block; X = Σ A T is staged in sQl (free now).
+            for dist in cutlass.range_constexpr(1, CHUNK // SUB):
+                for m in cutlass.range_constexpr(CHUNK // SUB - dist):
+                    bi = m + dist
+                    acc = f32(0.0)
+                    for kk in cutlass.range_constexpr(dist * SUB):
+                        acc = acc + sA[bi * SUB + ii, m * SUB + kk] * sT[m * SUB + kk, m * SUB + jj]
+                    sQl[ii, m * SUB + jj] = acc
+                cute.arch.sync_threads()
+                for m in cutlass.range_constexpr(CHUNK // SUB - dist):
+                    bi = m + dist
+                    acc = f32(0.0)
+                    for kk in cutlass.range_constexpr(SUB):
+                        acc = acc + sT[bi * SUB + ii, bi * SUB + kk] * sQl[kk, m * SUB + jj]
+                    sT[bi * SUB + ii, m * SUB + jj] = -acc
+                cute.arch.sync_threads()
 
         # ---- phase 6: w = T (β k 2^Γ), u = T (β v); thread = one column d, 32 interleaved rows
         d = tidx % DK
@@ -371,4 +412,5 @@ def compile_targets():
         "lower_bound_fp32": build(cutlass.Float32, **{**full, "use_lower_bound": True}),
         "plain": build(cutlass.Float32, **{**full, "use_gate": False, "use_qk_l2norm": False,
                                            "use_beta_sigmoid": False}),
+        "blocked_inverse": build(cutlass.BFloat16, **{**full, "inverse": "blocked"}),
     }
