@@ -27,7 +27,7 @@ HEAD_DIM = 128
 GPU_VALIDATED = True
 # Correct, but slower than FLA: dispatch keeps FLA unless CULA_KERNELS=kda_fwd. Cleared when the
 # `kda` suite shows this kernel ahead (run 20261202-172916-h200-510df0f-4304: 0.25-0.36x of FLA from
-# T=4096 up, geomean 0.44x fixed / 0.29x varlen; the SIMT intra-chunk stage takes ~87% of the time,
+# T=4096 up, geomean 0.44x fixed / 0.29x varlen; the SIMT intra-chunk stage takes ~85% of the time,
 # see kda_fwd.md).
 # Stage 1's way of inverting I + Akk (kda_fwd_intra.INVERSES): "column" is the validated one;
 # "blocked" passed the CPU emulation of the kernel source and awaits its GPU check
