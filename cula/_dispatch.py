@@ -141,10 +141,36 @@ def default_off_reason(kernel: str, module: Any) -> str | None:
     return f"{off}; opt in with {OPT_IN_ENV}={kernel}"
 
 
+#: The public ops' call-plan caches (cula._op): a plan holds a decision, so it goes with the kernels.
+plan_caches: list[dict] = []
+
+_DEBUG_ENV = "CULA_DEBUG_CHECKS"
+# os.environ.get costs ~0.7 us (key encoding, a Mapping method); the posix environ keeps a plain dict
+# of bytes that os.environ writes through (monkeypatch.setenv included), read here in ~0.1 us.
+_ENV_KEYS = (os.fsencode(OPT_IN_ENV), os.fsencode(_DEBUG_ENV)) if os.name == "posix" else None
+
+
+def env_key() -> tuple[Any, Any]:
+    """The environment variables a dispatch decision or validation reads (``CULA_KERNELS``,
+    ``CULA_DEBUG_CHECKS``), as a cheap hashable value for the call-plan caches."""
+    data = getattr(os.environ, "_data", None)
+    if _ENV_KEYS is not None and type(data) is dict:
+        return data.get(_ENV_KEYS[0]), data.get(_ENV_KEYS[1])
+    return os.environ.get(OPT_IN_ENV), os.environ.get(_DEBUG_ENV)
+
+
+def probes_key() -> tuple[Any, ...]:
+    """The environment probes themselves: patching one (tests fake a GPU) must not reuse a plan."""
+    return device_arch, cuda_available, _current_arch, fla_installed
+
+
 def clear_caches() -> None:
-    """Forget imported kernels and resolved runners (tests inject fake kernel modules)."""
+    """Forget imported kernels, resolved runners and the ops' call plans (tests inject fake kernel
+    modules)."""
     _kernels.clear()
     _resolved.clear()
+    for cache in plan_caches:
+        cache.clear()
 
 
 def needs_grad(inputs: Mapping[str, Any]) -> bool:

@@ -19,8 +19,11 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from cula import _dispatch
-from cula._warn import warn_once
+from cula import _validate as V
+from cula._warn import warn_fallback, warn_once
 
 Prepare = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
 
@@ -29,11 +32,26 @@ class CulaIgnoredArgumentWarning(UserWarning):
     """A keyword argument the op does not know was ignored (FLA ignores unknown ``**kwargs`` too)."""
 
 
-def public_op(name: str, prepare: Prepare) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Make ``stub`` the public op ``name`` (see the module docstring)."""
+#: Call plans kept per op; more distinct call signatures than this (a shape sweep) start it afresh.
+PLAN_CACHE_MAX = 256
+
+_Tensor = torch.Tensor
+
+
+def public_op(
+    name: str, prepare: Prepare, plan_kwargs: frozenset[str] = frozenset()
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Make ``stub`` the public op ``name`` (see the module docstring).
+
+    ``plan_kwargs``: the ``**kwargs`` names ``prepare`` takes silently (no warning, no deprecation); a
+    call passing any other keyword outside the signature is never planned (see :func:`call_key`).
+    """
 
     def wrap(stub: Callable[..., Any]) -> Callable[..., Any]:
         bind = _binder(stub)
+        plannable = frozenset(inspect.signature(stub).parameters) | plan_kwargs
+        plans: dict[tuple, Plan] = {}
+        _dispatch.plan_caches.append(plans)
 
         def prepare_inputs(*args: Any, **kwargs: Any) -> dict[str, Any]:
             arguments, extra = bind(args, kwargs)
@@ -41,13 +59,143 @@ def public_op(name: str, prepare: Prepare) -> Callable[[Callable[..., Any]], Cal
 
         @functools.wraps(stub)
         def op(*args: Any, **kwargs: Any) -> Any:
-            return _dispatch.call(name, prepare_inputs(*args, **kwargs), stacklevel=3)
+            key = call_key(args, kwargs, plannable)
+            if key is not None:
+                plan = plans.get(key)
+                if plan is not None:
+                    return plan.run(name, args + tuple(kwargs.values()) if kwargs else args)
+            previous = V.start_recording_value_checks()
+            try:
+                inputs = prepare_inputs(*args, **kwargs)
+            finally:
+                checks = V.stop_recording_value_checks(previous)
+            decision = _dispatch.decide(name, inputs)
+            if decision.backend is None:
+                reasons = "; ".join(f"{s.backend}: {s.reason}" for s in decision.skipped)
+                raise NotImplementedError(f"cula {name}: no backend can run these inputs ({reasons})")
+            warned = tuple(s for s in decision.skipped if not s.environmental)
+            for skip in warned:
+                warn_fallback(name, skip.backend, skip.reason, decision.backend, stacklevel=2)
+            chosen = next(c for c in _dispatch.TABLE[name] if c.name == decision.backend)
+            if key is not None:
+                plan = Plan.make(chosen, decision.backend, warned, inputs, checks, args + tuple(kwargs.values()))
+                if plan is not None:
+                    if len(plans) >= PLAN_CACHE_MAX:
+                        plans.clear()
+                    plans[key] = plan
+            return chosen(inputs)
 
         op.prepare_inputs = prepare_inputs
         op.op_name = name
+        op.plans = plans
         return op
 
     return wrap
+
+
+def call_key(args: tuple, kwargs: dict[str, Any], plannable: frozenset[str]) -> tuple | None:
+    """What validation and the dispatch decision of this call can depend on, or None when that
+    cannot be captured cheaply (then the call is validated and dispatched in full, as always).
+
+    Per tensor: its type, shape, strides, dtype, device, requires_grad and 16-byte alignment (the
+    kernels' ``supports()`` read contiguity and alignment); per other argument its type and value
+    (``True`` and ``1`` differ, so do ``0.0`` and ``-0.0``); which arguments came by position and
+    which by keyword; grad mode, the ``CULA_*`` environment and the environment probes. Tensor
+    *values* are not in it: the value checks are replayed on every call (:class:`Plan`).
+    """
+    parts: list[Any] = [len(args), torch.is_grad_enabled(), _dispatch.env_key(), _dispatch.probes_key()]
+    if kwargs:
+        names = tuple(kwargs)
+        if not plannable.issuperset(names):
+            return None  # an unknown or deprecated keyword: prepare warns about it on every call
+        parts.append(names)
+        values: Any = (*args, *kwargs.values())
+    else:
+        values = args
+    append = parts.append
+    for x in values:
+        if isinstance(x, _Tensor):
+            append((x.__class__, x.shape, x.stride(), x.dtype, x.device, x.requires_grad, x.data_ptr() & 15))
+        elif x is None or x is True or x is False:
+            append(x)
+        else:
+            kind = x.__class__
+            if kind is int or kind is str:
+                append((kind, x))
+            elif kind is float:
+                append((kind, x) if x else (kind, str(x)))  # 0.0 == -0.0, yet they may scale differently
+            else:
+                return None  # any other object (a cp_context, a list): no plan
+    return tuple(parts)
+
+
+class Plan:
+    """How a validated call signature runs: the backend chosen, where each of its arguments comes
+    from in the raw call (``args + kwargs.values()``) or which constant it is, the value checks to
+    replay on the new tensors, and the fallback warnings to (once) emit.
+
+    It holds no tensor: constants are the non-tensor inputs the key fixes."""
+
+    __slots__ = ("candidate", "module", "kernel", "recipe", "checks", "warned", "backend")
+
+    def __init__(self, candidate, module, recipe, checks, warned, backend):
+        self.candidate = candidate
+        self.module = module
+        self.kernel = candidate.kernel
+        self.recipe = recipe
+        self.checks = checks
+        self.warned = warned
+        self.backend = backend
+
+    @staticmethod
+    def make(candidate: _dispatch.Candidate, backend: str, warned: tuple, inputs: dict[str, Any],
+             checks: list, raw: tuple) -> Plan | None:
+        """The plan of a call that just ran in full, or None when its inputs cannot be rebuilt from
+        the raw arguments alone (a tensor made by ``prepare``, or one object passed twice)."""
+        slot_of: dict[int, int] = {}
+        for i, x in enumerate(raw):
+            if isinstance(x, _Tensor):
+                if id(x) in slot_of:
+                    return None  # aliases: which argument an input came from is ambiguous
+                slot_of[id(x)] = i
+
+        def recipe_of(values: dict[str, Any]) -> tuple | None:
+            out = []
+            for n, x in values.items():
+                if isinstance(x, _Tensor):
+                    i = slot_of.get(id(x))
+                    if i is None:
+                        return None
+                    out.append((n, i, None))
+                else:
+                    out.append((n, -1, x))
+            return tuple(out)
+
+        module = None
+        if candidate.kernel is not None:
+            module, _ = _dispatch.load_kernel(candidate.kernel)
+            recipe = recipe_of(_dispatch.kernel_kwargs(candidate.kernel, inputs))
+        else:
+            recipe = recipe_of(inputs)
+        if recipe is None:
+            return None
+        replay = []
+        for t, key, check in checks:
+            i = slot_of.get(id(t))
+            if i is None:
+                return None
+            replay.append((i, key, check))
+        return Plan(candidate, module, recipe, tuple(replay), warned, backend)
+
+    def run(self, op: str, raw: tuple) -> Any:
+        for i, key, check in self.checks:
+            V.check_values_once(raw[i], key, check)
+        for skip in self.warned:
+            warn_fallback(op, skip.backend, skip.reason, self.backend, stacklevel=3)
+        args = {n: (raw[i] if i >= 0 else c) for n, i, c in self.recipe}
+        if self.kernel is not None:
+            return getattr(self.module, self.kernel)(**args)
+        return self.candidate(args)
 
 
 def _binder(stub: Callable[..., Any]) -> Callable[[tuple, dict], tuple[dict[str, Any], dict[str, Any]]]:

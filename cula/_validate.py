@@ -19,7 +19,9 @@ Cost policy (the checks sit on the hot path of every call):
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -142,25 +144,48 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def check_values_once(t: torch.Tensor, key: tuple, check: Callable[[], None]) -> None:
-    """Run ``check()`` (which may sync) unless it already passed for this very tensor at this version.
+def check_values_once(t: torch.Tensor, key: tuple, check: Callable[[torch.Tensor], None]) -> None:
+    """Run ``check(t)`` (which may sync) unless it already passed for this very tensor at this version.
 
-    ``key`` holds what else the check depends on (e.g. the expected total). Skipped while a CUDA graph
+    ``key`` holds what else the check depends on (e.g. the expected total); ``check`` must depend on
+    nothing but ``t`` and what ``key`` or the tensor metadata fix, so that a public op's fast path can
+    replay it on the next call's tensor (:func:`recording_value_checks`). Skipped while a CUDA graph
     is being captured, since a sync would break the capture.
     """
-    if _capturing(t):
-        return
+    rec = getattr(_recorder, "checks", None)
+    if rec is not None:
+        rec.append((t, key, check))
     version = _version(t)
     full_key = (id(t), *key)
     hit = _checked.get(full_key)
     if hit is not None and version is not None and hit[0]() is t and hit[1] == version:
+        return  # passed before (no sync either way, capturing or not)
+    if _capturing(t):
         return
-    check()
+    check(t)
     if version is None:
         return
     if len(_checked) >= _CHECKED_MAX:
         _checked.pop(next(iter(_checked)))
     _checked[full_key] = (weakref.ref(t), version)
+
+
+_recorder = threading.local()
+
+
+def start_recording_value_checks() -> list | None:
+    """Record every :func:`check_values_once` call of this thread from now on (as ``(tensor, key, check)``)
+    until :func:`stop_recording_value_checks`; returns the previous recording to hand back there."""
+    previous = getattr(_recorder, "checks", None)
+    _recorder.checks = []
+    return previous
+
+
+def stop_recording_value_checks(previous: list | None) -> list[tuple[torch.Tensor, tuple, Callable]]:
+    """The value checks recorded since :func:`start_recording_value_checks`, in call order."""
+    recorded = _recorder.checks
+    _recorder.checks = previous
+    return recorded
 
 
 def _check_cu_values(name: str, values: list[int], T: int) -> None:
@@ -174,6 +199,10 @@ def _check_cu_values(name: str, values: list[int], T: int) -> None:
             )
     if values[-1] != T:
         raise ValueError(f"{name}: expected the last value to equal the total tokens T={T}, got {values[-1]}")
+
+
+def _check_cu_tensor(name: str, T: int, t: torch.Tensor) -> None:
+    _check_cu_values(name, t.tolist(), T)
 
 
 def check_cu_seqlens(
@@ -212,9 +241,7 @@ def check_cu_seqlens(
         source, source_name = cu_seqlens_cpu, "cu_seqlens_cpu"
     else:
         source, source_name = cu_seqlens, "cu_seqlens"
-    check_values_once(
-        source, ("cu_seqlens", dims.T), lambda: _check_cu_values(source_name, source.tolist(), dims.T)
-    )
+    check_values_once(source, ("cu_seqlens", dims.T), functools.partial(_check_cu_tensor, source_name, dims.T))
     return dims._replace(N=N)
 
 
@@ -268,6 +295,14 @@ def check_param(name: str, x: Any, numel: int, meaning: str, device: torch.devic
         raise ValueError(f"{name}: expected a tensor on {device} (the device of q), got one on {x.device}")
 
 
+def _check_decay_sign(decay: torch.Tensor) -> None:
+    bad = (decay.detach() < 0) | decay.detach().isnan()
+    if bool(bad.any()):
+        raise ValueError(
+            f"decay: expected rates >= 0 (the per-step factor is exp(-decay)), got {decay.detach().reshape(-1).tolist()}"
+        )
+
+
 def check_decay(decay: Any, HV: int, device: torch.device) -> torch.Tensor:
     """Lightning's ``decay``: ``HV`` float rates >= 0 (any shape with ``HV`` elements, e.g. ``[HV]`` or
     ``[HV, 1, 1]``). Returns it viewed as ``[HV]``. The sign is checked once per tensor version."""
@@ -280,15 +315,9 @@ def check_decay(decay: Any, HV: int, device: torch.device) -> torch.Tensor:
     if decay.device != device:
         raise ValueError(f"decay: expected a tensor on {device} (the device of q), got one on {decay.device}")
 
-    def sign() -> None:
-        bad = (decay.detach() < 0) | decay.detach().isnan()
-        if bool(bad.any()):
-            raise ValueError(
-                f"decay: expected rates >= 0 (the per-step factor is exp(-decay)), got {decay.detach().reshape(-1).tolist()}"
-            )
-
-    check_values_once(decay, ("decay",), sign)
-    return decay.reshape(HV)
+    check_values_once(decay, ("decay",), _check_decay_sign)
+    # an [HV] decay is passed on as itself (no new view object), so the op's fast path can reuse the call plan
+    return decay if decay.dim() == 1 else decay.reshape(HV)
 
 
 def check_state_indices(state_indices: Any, rows: int, pool_size: int, device: torch.device) -> None:
@@ -310,14 +339,15 @@ def check_state_indices(state_indices: Any, rows: int, pool_size: int, device: t
     if state_indices.is_cuda and not debug_checks():
         return
 
-    def values() -> None:
-        slots = [i for i in state_indices.tolist() if i >= 0]
-        if slots and max(slots) >= pool_size:
-            raise ValueError(f"state_indices: expected slots < pool size {pool_size}, got {max(slots)}")
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"state_indices: expected distinct non-negative slots, got {state_indices.tolist()}")
+    check_values_once(state_indices, ("state_indices", pool_size), functools.partial(_check_slots, pool_size))
 
-    check_values_once(state_indices, ("state_indices", pool_size), values)
+
+def _check_slots(pool_size: int, state_indices: torch.Tensor) -> None:
+    slots = [i for i in state_indices.tolist() if i >= 0]
+    if slots and max(slots) >= pool_size:
+        raise ValueError(f"state_indices: expected slots < pool size {pool_size}, got {max(slots)}")
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"state_indices: expected distinct non-negative slots, got {state_indices.tolist()}")
 
 
 def check_flag_pair_neg_eigval(allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool) -> None:

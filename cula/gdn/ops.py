@@ -74,7 +74,8 @@ def _prepare_recurrent(a: dict[str, Any], extra: dict[str, Any]) -> dict[str, An
     return a
 
 
-@public_op("chunk_gated_delta_rule", _prepare_chunk)
+@public_op("chunk_gated_delta_rule", _prepare_chunk,
+           plan_kwargs=frozenset({"use_gate_in_kernel", "A_log", "dt_bias", "chunk_size"}))
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

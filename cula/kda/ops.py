@@ -10,6 +10,8 @@ from cula import _validate as V
 from cula._op import pop_known, public_op, state_v_first_alias
 
 KDA_CHUNK_SIZES = (32, 64)
+# the **kwargs fused_recurrent_kda takes silently (FLA's names and ours)
+POOL_KWARGS = frozenset({"state_indices", "ssm_state_indices", "inplace", "inplace_final_state"})
 
 
 def _check_gate_flags(a: dict[str, Any], dims: V.Dims, device: torch.device, *, chunked: bool) -> None:
@@ -82,7 +84,7 @@ def _prepare_recurrent(a: dict[str, Any], extra: dict[str, Any]) -> dict[str, An
     return a
 
 
-@public_op("chunk_kda", _prepare_chunk)
+@public_op("chunk_kda", _prepare_chunk, plan_kwargs=frozenset({"A_log", "dt_bias", "chunk_size"}))
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -158,7 +160,7 @@ def chunk_kda(
     """
 
 
-@public_op("fused_recurrent_kda", _prepare_recurrent)
+@public_op("fused_recurrent_kda", _prepare_recurrent, plan_kwargs=POOL_KWARGS)
 def fused_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
