@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -136,13 +137,23 @@ class Plan:
 
     It holds no tensor: constants are the non-tensor inputs the key fixes."""
 
-    __slots__ = ("candidate", "module", "kernel", "recipe", "checks", "warned", "backend")
+    __slots__ = ("candidate", "module", "kernel", "names", "pick", "consts", "checks", "warned", "backend")
 
-    def __init__(self, candidate, module, recipe, checks, warned, backend):
+    def __init__(self, candidate, module, recipe, checks, warned, backend, n_raw):
         self.candidate = candidate
         self.module = module
         self.kernel = candidate.kernel
-        self.recipe = recipe
+        # the arguments are picked from ``raw + consts`` by one itemgetter: no per-argument bytecode
+        self.names = tuple(n for n, _, _ in recipe)
+        self.consts = tuple(c for _, i, c in recipe if i < 0)
+        where, k = [], 0
+        for _, i, _ in recipe:
+            if i >= 0:
+                where.append(i)
+            else:
+                where.append(n_raw + k)
+                k += 1
+        self.pick = operator.itemgetter(*where) if len(where) > 1 else (lambda seq, j=where[0]: (seq[j],))
         self.checks = checks
         self.warned = warned
         self.backend = backend
@@ -185,14 +196,14 @@ class Plan:
             if i is None:
                 return None
             replay.append((i, key, check))
-        return Plan(candidate, module, recipe, tuple(replay), warned, backend)
+        return Plan(candidate, module, recipe, tuple(replay), warned, backend, len(raw))
 
     def run(self, op: str, raw: tuple) -> Any:
         for i, key, check in self.checks:
             V.check_values_once(raw[i], key, check)
         for skip in self.warned:
             warn_fallback(op, skip.backend, skip.reason, self.backend, stacklevel=3)
-        args = {n: (raw[i] if i >= 0 else c) for n, i, c in self.recipe}
+        args = dict(zip(self.names, self.pick(raw + self.consts)))
         if self.kernel is not None:
             return getattr(self.module, self.kernel)(**args)
         return self.candidate(args)
