@@ -14,16 +14,8 @@ from cula._dispatch import CULA_SM90, FLA_TRITON, TORCH_REF
 from cula._warn import reset_fallback_warnings
 from cula.kda import chunk_kda, fused_recurrent_kda
 from cula.lightning import lightning_attn_decode, lightning_attn_fwd
-from test_dispatch import HV, K, V, B, fake_fla, fake_kernel, hopper, kda, lightning  # noqa: F401 (fixture)
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    _dispatch.clear_caches()
-    reset_fallback_warnings()
-    yield
-    _dispatch.clear_caches()
-    reset_fallback_warnings()
+# the hopper fixture, the fake modules and the autouse cache reset (_fresh) come from the dispatch tests
+from test_dispatch import HV, K, V, B, _fresh, fake_fla, fake_kernel, hopper, kda, lightning  # noqa: F401
 
 
 def decode_inputs(**over):
