@@ -278,3 +278,67 @@ def test_zero_tokens_pass_state_through():
                              inp["cu_seqlens"])
     assert o.shape == (1, 0, 2, 128)
     assert torch.equal(st, inp["initial_state"])
+
+
+@pytest.mark.parametrize("state, cu", [(False, None), (True, None), (True, [0, 5, 5, 130])])
+def test_fast_launch_passes_what_the_dsl_path_passes(monkeypatch, state, cu):
+    """FAST_LAUNCH hands the launcher plain values; they must be exactly the DSL path's arguments
+    (pointer addresses, dtypes and alignments per fast_launch.ArgSpec, sizes, scale, stream)."""
+    from cula.kernels.sm90.lightning_fwd_check import make_inputs
+
+    lengths = None if cu is None else [b - a for a, b in zip(cu[:-1], cu[1:])]
+    inp = make_inputs(B=2, T=130, H=2, HV=4, lengths=lengths, state=state, device="cpu")
+    monkeypatch.setitem(lf._SM_COUNT, "cpu", 132)
+    monkeypatch.setattr(lf, "_current_stream", lambda: "stream")
+    monkeypatch.setattr(lf, "_stream_handle", lambda device: "stream")
+    monkeypatch.setattr(lf, "_gmem_ptr", lambda t, dtype, align=16: ("ptr", t.data_ptr(), dtype, align))
+    seen = {}
+    monkeypatch.setattr(lf, "_compile", lambda *key_and_args: (lambda *a: seen.setdefault("dsl", (key_and_args[:3], a))))
+    monkeypatch.setattr(lf, "_launcher", lambda *key: (lambda *v: seen.setdefault("fast", (key, v))))
+
+    out = torch.empty(*inp["v"].shape[:3], 128, dtype=torch.bfloat16)  # one o for both paths
+
+    def call():
+        kw = {n: inp[n] for n in ("scale", "initial_state", "output_final_state", "cu_seqlens")}
+        return lf.lightning_fwd(inp["q"], inp["k"], inp["v"], inp["decay"], out=out, **kw)
+
+    monkeypatch.setattr(lf, "FAST_LAUNCH", False)
+    call()
+    monkeypatch.setattr(lf, "FAST_LAUNCH", True)
+    call()
+    (dsl_key, dsl_args), (fast_key, values) = seen["dsl"], seen["fast"]
+    assert dsl_key == fast_key
+    specs = lf._launch_specs()
+    assert len(specs) == len(dsl_args) == len(values)
+    for i, (spec, arg, value) in enumerate(zip(specs, dsl_args, values)):
+        if spec.kind == "ptr":
+            kind, addr, dtype, align = arg
+            if i in (5, 6, 8):  # cu_seqlens, the order, the final state: new per call; same dtype
+                assert dtype == spec.dtype and align == spec.align
+                continue
+            assert (addr, dtype, align) == (value, spec.dtype, spec.align), i
+        elif spec.kind == "i32":
+            assert int(arg) == value, i
+        elif spec.kind == "f32":
+            assert arg.value == pytest.approx(value), i
+        else:
+            assert arg == value == "stream"
+
+
+@_gpu
+@pytest.mark.parametrize("T, state, lengths", [(1, False, None), (1000, True, None), (0, True, [0, 1, 63, 64, 65, 300])])
+def test_fast_launch_on_the_gpu_equals_the_dsl_path(monkeypatch, T, state, lengths):
+    """The opt-in fast launcher (FAST_LAUNCH) gives bit-identical results to the DSL call path and
+    really takes its fast path (its self-check against the DSL's packed arguments passed)."""
+    from cula.kernels.sm90.lightning_fwd_check import cula_call
+
+    inp = _inputs(B=2 if lengths is None else 1, T=T, H=2, HV=4, lengths=lengths, state=state)
+    monkeypatch.setattr(lf, "FAST_LAUNCH", False)
+    o_ref, s_ref = cula_call(inp)
+    monkeypatch.setattr(lf, "FAST_LAUNCH", True)
+    for _ in range(3):  # the first call checks the packing, the next ones take the fast path
+        o, s = cula_call(inp)
+        torch.cuda.synchronize()
+        assert torch.equal(o, o_ref) and (s is None or torch.equal(s, s_ref))
+    assert lf._LAUNCHERS and all(launcher.is_fast for launcher in lf._LAUNCHERS.values()), \
+        [launcher.fast_reason for launcher in lf._LAUNCHERS.values()]

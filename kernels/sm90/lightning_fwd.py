@@ -48,6 +48,9 @@ CONSUMER_BARRIER = 1  # named barrier id for the consumer warpgroup (0 is __sync
 LOG2E = 1.4426950408889634
 # What supports() answers for inputs the kernel can take: None once the GPU tests passed on the device.
 VALIDATION_STATUS: str | None = None
+# Launch through kernels/common/fast_launch.Launcher (prebuilt argument cells: the eager small-shape
+# rows are host-bound). Off until the GPU tests pass with it on (`lightning_fwd_check --fast-launch`).
+FAST_LAUNCH = False
 
 BF16 = cutlass.BFloat16
 F32 = cutlass.Float32
@@ -647,6 +650,14 @@ def lightning_fwd(
     s0 = _dense(initial_state.to(torch.float32)) if initial_state is not None else None
     v_tile = v_tile or _choose_v_tile(N, HV, q.device)
     dummy = o  # any 16-byte aligned device pointer for the state pointers a variant never touches
+    if FAST_LAUNCH:
+        # the same arguments as plain values, in the order of _launch_specs()
+        _launcher(v_tile, s0 is not None, output_final_state)(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), decay.data_ptr(), cu.data_ptr(),
+            order.data_ptr(), (s0 if s0 is not None else dummy).data_ptr(),
+            (final if final is not None else dummy).data_ptr(), B * T, H, HV, N, scale,
+            _stream_handle(q.device))
+        return o, final
     args = (
         _gmem_ptr(q, BF16), _gmem_ptr(k, BF16), _gmem_ptr(v, BF16), _gmem_ptr(o, BF16),
         _gmem_ptr(decay, F32, 4), _gmem_ptr(cu, cutlass.Int32, 4), _gmem_ptr(order, cutlass.Int32, 4),
@@ -657,6 +668,35 @@ def lightning_fwd(
     fn = _compile(v_tile, s0 is not None, output_final_state, args)
     fn(*args)
     return o, final
+
+
+def _launch_specs():
+    """What each runtime argument of the host function is (fast_launch.ArgSpec), in order."""
+    from cula.kernels.common.fast_launch import ArgSpec
+
+    ptrs = [(BF16, 16)] * 4 + [(F32, 4), (cutlass.Int32, 4), (cutlass.Int32, 4), (F32, 16), (F32, 16)]
+    return (*(ArgSpec("ptr", d, a) for d, a in ptrs), *(ArgSpec("i32") for _ in range(4)),
+            ArgSpec("f32"), ArgSpec("stream"))
+
+
+_LAUNCHERS: dict[tuple, Callable] = {}
+
+
+def _launcher(v_tile: int, has_init: bool, store_final: bool):
+    key = _compile_key(v_tile, has_init, store_final)
+    hit = _LAUNCHERS.get(key)
+    if hit is None:
+        from cula.kernels.common.fast_launch import compile_launcher
+
+        hit = compile_launcher(LightningFwdSm90(v_tile, has_init, store_final), _launch_specs())
+        _LAUNCHERS[key] = hit
+    return hit
+
+
+def _stream_handle(device) -> int:
+    from cula.kernels.common.fast_launch import current_stream_handle
+
+    return current_stream_handle(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -714,10 +754,20 @@ def compile_targets() -> dict[str, Callable[[], tuple]]:
 
         return make
 
+    def build_fast(v_tile: int, has_init: bool, store_final: bool):
+        def make():  # what _launcher compiles: placeholder values of _launch_specs()
+            from cula.kernels.common.fast_launch import compile_args
+
+            _allow_compile_without_driver()
+            return LightningFwdSm90(v_tile, has_init, store_final), tuple(compile_args(_launch_specs()))
+
+        return make
+
     return {
         "default": build(V_TILE, False, False),
         "state": build(V_TILE, True, True),
         "vt32": build(32, True, True),
+        "fast_launch_state": build_fast(V_TILE, True, True),
     }
 
 

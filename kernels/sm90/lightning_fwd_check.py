@@ -355,7 +355,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--layout-facts", action="store_true", help="print the layout facts as JSON (CPU)")
     ap.add_argument("--sanitize-case", action="store_true",
                     help="run one small varlen case once (for compute-sanitizer memcheck / racecheck)")
+    ap.add_argument("--fast-launch", action="store_true",
+                    help="launch through the prebuilt-argument launcher (lightning_fwd.FAST_LAUNCH)")
     args = ap.parse_args(argv)
+    if args.fast_launch:
+        from cula.kernels.sm90 import lightning_fwd
+
+        lightning_fwd.FAST_LAUNCH = True
     if args.layout_facts:
         print(json.dumps(layout_facts()))
         return 0
