@@ -112,3 +112,26 @@ def test_spread_rel():
     assert spread_rel(1.0, 0.9, 1.1) == pytest.approx(0.1)
     assert math.isnan(spread_rel(float("nan"), 0.9, 1.1))
     assert math.isnan(Row().eager_ms)
+
+
+def test_parts_written_before_the_memory_columns_read_as_nan(tmp_path):
+    import math
+
+    import pyarrow.parquet as pq
+
+    table = rows_to_table([Row(run_id="r", suite="s", config_id="c", impl="fla", eager_ms=1.0)])
+    old = table.drop(["gpu_mem_used_gib", "torch_alloc_gib"])  # what a 2026-12-02 run wrote
+    pq.write_table(old, tmp_path / "old.parquet")
+    (record,) = pq.read_table(tmp_path / "old.parquet").to_pylist()
+    row = row_from_dict(record)
+    assert math.isnan(row.gpu_mem_used_gib) and math.isnan(row.torch_alloc_gib) and row.eager_ms == 1.0
+
+
+def test_memory_in_use_reads_the_device_and_torch(monkeypatch):
+    import torch
+
+    from cula.bench import runner
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (40 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 3 * 2**30)
+    assert runner._memory_in_use() == (100.0, 3.0)

@@ -286,15 +286,11 @@ def measure_config(cfg: Config, impls: dict[str, Any], order: list[str], timer: 
             if broken:
                 fatal = f"CUDA context broken after {name}: {broken}"
                 row.note += f" | {fatal}"
+        if device == "cuda":
+            _release_cached_memory()
+            row.gpu_mem_used_gib, row.torch_alloc_gib = _memory_in_use()
         row.date = utc_now()
         rows.append(row)
-        if device == "cuda":
-            import torch
-
-            try:
-                torch.cuda.empty_cache()
-            except Exception:
-                pass
     inputs.release()
     del ref_out
     if device == "cuda":
@@ -312,6 +308,17 @@ def _release_cached_memory() -> None:
         torch.cuda.empty_cache()
     except Exception:
         pass
+
+
+def _memory_in_use() -> tuple[float, float]:
+    """(GiB in use on the device, GiB in live torch tensors); NaN when CUDA cannot say."""
+    try:
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2**30, torch.cuda.memory_allocated() / 2**30
+    except Exception:
+        return math.nan, math.nan
 
 
 def _oracle_with_retry(oracle: Callable[[Any], Any], inputs: Any, device: str) -> Any:

@@ -91,6 +91,10 @@ class Row:
     ceil_tflops: float = NAN       # bf16 matmul throughput measured in this run
     pct_bw: float = NAN
     pct_flops: float = NAN
+    # device memory still held after this row's impl finished and the allocator cache was emptied
+    # (GiB): growth from row to row is memory a run leaks (NaN on CPU and in runs before 2026-12-02)
+    gpu_mem_used_gib: float = NAN  # whole device in use (cudaMemGetInfo: total - free)
+    torch_alloc_gib: float = NAN   # of it, live torch tensors (torch.cuda.memory_allocated)
     # environment fingerprint
     device_kind: str = ""          # cuda | cpu
     gpu_name: str = ""
