@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call that re-checks everything landed without a GPU since the last device session, in
+# the priority order of docs/DEVICE.md. Each step has its own timeout (a hang costs one step), writes
+# $OUT/<step>.log and prints its tail; the summary lines start with "==".
+#   run(command="source .device/env.sh && bash kernels/sm90/device_round.sh [steps...]", carry=[".device"])
+# Steps (default: all, in this order): gpu_tests blocked fast
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/device_round}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . >"$OUT/install.log" 2>&1 \
+    || { echo "== install failed"; tail -5 "$OUT/install.log"; }
+steps=${*:-gpu_tests blocked fast}
+start=$SECONDS
+step() {  # step NAME TIMEOUT CMD...
+    local name=$1 t=$2; shift 2
+    local s=$SECONDS
+    timeout "$t" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name rc=$rc in $((SECONDS - s)) s (total $((SECONDS - start)) s)"
+    grep -E "passed|failed|error|PASS|FAIL|EXCEPTION|split|correctness|config|eager|graph" "$OUT/$name.log" | tail -n 25
+}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
+for s in $steps; do
+    case $s in
+    gpu_tests)  # the public ops (call plans landed CPU-only) and the validated kernels
+        step gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --maxfail=20 \
+            tests/test_api_gpu.py tests/test_kernel_lightning_fwd.py tests/test_kernel_kda_decode.py \
+            tests/test_kernel_lightning_decode.py ;;
+    blocked)  # stage 1's blocked inverse: correctness on three cases, then the time split
+        step kda_blocked 200 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --inverse blocked \
+            --cases T15-l2-gate,T65-gva-vfirst,varlen-33
+        step kda_split 100 python3 -m cula.kernels.sm90.kda_fwd --check --split --inverse blocked ;;
+    fast)  # Lightning's opt-in fast launcher: equality tests, then eager small shapes with and without
+        step lightning_fast_tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+            tests/test_kernel_lightning_fwd.py -k fast_launch
+        step lightning_fast_bench 90 python3 -m cula.kernels.sm90.lightning_fwd_check --bench --fast-launch \
+            --only "B1 T512 H64" --only "B4 T2048 H64"
+        step lightning_dsl_bench 90 python3 -m cula.kernels.sm90.lightning_fwd_check --bench \
+            --only "B1 T512 H64" --only "B4 T2048 H64" ;;
+    *) echo "== unknown step $s" ;;
+    esac
+done
