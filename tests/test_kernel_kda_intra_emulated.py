@@ -70,7 +70,8 @@ def run_intra(kernel_kwargs, args, kw, cu):
     specs = [Spec("ptr", dt) for dt in dts] + [Spec("i32", None)] * 4 + [Spec("f32", None)] * 2
     lb = kw.get("lower_bound")
     values = [t.data_ptr() for t in tensors] + [B * T, H, HV, NC, K ** -0.5, lb if lb is not None else 0.0]
-    kern = emu.emulated_instance(intra.KdaFwdIntra(**kernel_kwargs), {})
+    kernel_name = "kernel_v2" if kernel_kwargs.get("variant", "v1") == "v2" else "kernel"
+    kern = emu.emulated_instance(intra.KdaFwdIntra(**kernel_kwargs), {}, kernel_name=kernel_name)
     ptrs, backs = mem.pointers(specs, values)
     kern(*ptrs, None)
     emu.Memory.write_back(backs)
@@ -100,12 +101,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, T, cu, flags", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("inverse", intra.INVERSES)
-def test_intra_kernel_source_matches_the_stage_emulation(name, T, cu, flags, inverse):
+# (variant, inverse) per case: every case for v1 x both inverses and v2 x column; v2 x blocked on the
+# weak-decay case only (the one where every block of T matters), ~20 s per emulated run.
+COMBOS = [(c, "v1", inv) for c in CASES for inv in intra.INVERSES] + [(c, "v2", "column") for c in CASES] \
+    + [(CASES[2], "v2", "blocked")]
+
+
+@pytest.mark.parametrize("name, T, cu, flags, variant, inverse", [(*c, v, inv) for c, v, inv in COMBOS],
+                         ids=[f"{c[0]}-{v}-{inv}" for c, v, inv in COMBOS])
+def test_intra_kernel_source_matches_the_stage_emulation(name, T, cu, flags, variant, inverse):
     args, kw, cu_t = _inputs(T, cu, seed=0, flags=flags)
     kw.pop("weak_decay", None)
-    got = run_intra({**_flags(kw), "inverse": inverse}, args, kw, cu_t)
+    got = run_intra({**_flags(kw), "inverse": inverse, "variant": variant}, args, kw, cu_t)
     _, _, want = kf.emulate_stages(*args, **kw, cu_seqlens=cu_t, dtype=torch.float64)
     for key in ("w", "u", "qg", "aqk", "kgt"):
         assert torch.isfinite(got[key].float()).all(), f"{key}: unwritten elements"

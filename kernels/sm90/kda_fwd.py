@@ -33,6 +33,10 @@ GPU_VALIDATED = True
 # "blocked" passed the CPU emulation of the kernel source and awaits its GPU check
 # (python -m cula.kernels.sm90.kda_fwd --check --inverse blocked).
 INTRA_INVERSE = "column"
+# Stage 1's kernel body (kda_fwd_intra.VARIANTS): "v1" is the validated one; "v2" (register-blocked
+# products, ~106 KB smem for 2 CTAs/SM, bf16 q/k tiles) passed the CPU emulation of the kernel
+# source and awaits its GPU check (python -m cula.kernels.sm90.kda_fwd --check --variant v2).
+INTRA_VARIANT = "v1"
 DISPATCH_OFF: str | None = "cula-sm90 kda_fwd: correct but measured slower than FLA 0.6.0 on H200 (0.25-0.36x from T=4096)"
 
 
@@ -370,7 +374,7 @@ def kda_fwd(
         has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
         use_lower_bound=bool(use_gate_in_kernel and lower_bound is not None),
         use_beta_sigmoid=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval),
-        group=HV // H, inverse=INTRA_INVERSE,
+        group=HV // H, inverse=INTRA_INVERSE, variant=INTRA_VARIANT,
     )
     dts = (_cute_dtype(q.dtype), _cute_dtype(g.dtype), _cute_dtype(beta.dtype))
     from cutlass.cute.runtime import make_fake_stream

@@ -168,6 +168,11 @@ def main(argv: list[str]) -> int:
 
         kf.INTRA_INVERSE = argv[argv.index("--inverse") + 1]
         print(f"stage 1 inverse: {kf.INTRA_INVERSE}", flush=True)
+    if "--variant" in argv:  # try stage 1's other kernel body (kda_fwd_intra.VARIANTS)
+        from cula.kernels.sm90 import kda_fwd as kf
+
+        kf.INTRA_VARIANT = argv[argv.index("--variant") + 1]
+        print(f"stage 1 variant: {kf.INTRA_VARIANT}", flush=True)
     if "--split" in argv:
         split(dev)
         return 0
