@@ -3,14 +3,14 @@
 # the priority order of docs/DEVICE.md. Each step has its own timeout (a hang costs one step), writes
 # $OUT/<step>.log and prints its tail; the summary lines start with "==".
 #   run(command="source .device/env.sh && bash kernels/sm90/device_round.sh [steps...]", carry=[".device"])
-# Steps (default: all, in this order): gpu_tests blocked fast
+# Steps (default: all, in this order): gpu_tests blocked v2 fast
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/device_round}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . >"$OUT/install.log" 2>&1 \
     || { echo "== install failed"; tail -5 "$OUT/install.log"; }
-steps=${*:-gpu_tests blocked fast}
+steps=${*:-gpu_tests blocked v2 fast}
 start=$SECONDS
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 t=$2; shift 2
@@ -31,6 +31,10 @@ for s in $steps; do
         step kda_blocked 200 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --inverse blocked \
             --cases T15-l2-gate,T65-gva-vfirst,varlen-33
         step kda_split 100 python3 -m cula.kernels.sm90.kda_fwd --check --split --inverse blocked ;;
+    v2)  # stage 1's register-blocked, 2-CTA/SM variant (with the blocked inverse), then its time split
+        step kda_v2 200 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --variant v2 --inverse blocked \
+            --cases T15-l2-gate,T65-gva-vfirst,varlen-33
+        step kda_v2_split 100 python3 -m cula.kernels.sm90.kda_fwd --check --split --variant v2 --inverse blocked ;;
     fast)  # Lightning's opt-in fast launcher: equality tests, then eager small shapes with and without
         step lightning_fast_tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
             tests/test_kernel_lightning_fwd.py -k fast_launch
