@@ -449,6 +449,9 @@ class KdaFwdIntra:
           summed by butterfly shuffles (6 loads per 8 FMA instead of 3 per 2; all 256 threads busy).
         - phase 6: 8 rows x 4 columns per thread (17 loads per 64 FMA instead of 34); β k 2^Γ
           overwrites Γ and β v is formed from a bf16 copy of v (exact: v arrives in bf16).
+
+        Phases 0-2 repeat ``kernel``'s on purpose: ``kernel`` is the GPU-validated body and stays
+        byte-for-byte as validated; once v2 passes its GPU check it replaces ``kernel`` outright.
         """
         tidx, _, _ = cute.arch.thread_idx()
         chunk, hv, _ = cute.arch.block_idx()
