@@ -40,7 +40,7 @@ for s in $steps; do
             tests/test_kernel_lightning_fwd.py -k fast_launch
         step lightning_fast_bench 90 python3 -m cula.kernels.sm90.lightning_fwd_check --bench --fast-launch \
             --only "B1 T512 H64" --only "B4 T2048 H64"
-        step lightning_dsl_bench 90 python3 -m cula.kernels.sm90.lightning_fwd_check --bench \
+        step lightning_dsl_bench 90 python3 -m cula.kernels.sm90.lightning_fwd_check --bench --dsl-launch \
             --only "B1 T512 H64" --only "B4 T2048 H64" ;;
     *) echo "== unknown step $s" ;;
     esac

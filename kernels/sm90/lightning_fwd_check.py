@@ -356,12 +356,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sanitize-case", action="store_true",
                     help="run one small varlen case once (for compute-sanitizer memcheck / racecheck)")
     ap.add_argument("--fast-launch", action="store_true",
-                    help="launch through the prebuilt-argument launcher (lightning_fwd.FAST_LAUNCH)")
+                    help="launch through the prebuilt-argument launcher (lightning_fwd.FAST_LAUNCH, the default)")
+    ap.add_argument("--dsl-launch", action="store_true",
+                    help="launch through the DSL's own call path (FAST_LAUNCH off), for comparison")
     args = ap.parse_args(argv)
     if args.fast_launch:
         from cula.kernels.sm90 import lightning_fwd
 
         lightning_fwd.FAST_LAUNCH = True
+    if args.dsl_launch:
+        from cula.kernels.sm90 import lightning_fwd
+
+        lightning_fwd.FAST_LAUNCH = False
     if args.layout_facts:
         print(json.dumps(layout_facts()))
         return 0
