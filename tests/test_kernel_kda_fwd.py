@@ -85,7 +85,8 @@ def test_supports_reports_not_validated_on_cpu():
 
 @pytest.mark.parametrize("target,needs_wgmma", [("intra", False), ("intra_blocked_inverse", False), ("intra_v2", False),
                                                ("intra_v2_blocked_inverse", False), ("recur", True),
-                                               ("recur_v_first", True)])
+                                               ("recur_v_first", True), ("intra_tc", True),
+                                               ("intra_tc_fp32_gate", True), ("intra_tc_plain_gva", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -96,9 +97,72 @@ def test_ptx_compiles_clean(target, needs_wgmma):
     assert rep.max_registers <= 255
     if target.startswith("intra_v2"):  # 2 CTAs x 256 threads per SM (its launch bound)
         assert rep.max_registers <= 128
-    if needs_wgmma:
+    if needs_wgmma and target.startswith("recur"):
         assert rep.count("wgmma.mma_async") >= 20  # 8 + 8 + 4 (n64) and 4 (n128) per chunk
         assert rep.has("cp.async.bulk.tensor")
+    if target.startswith("intra_tc"):
+        # 2 x 8 diagonal (m64n64) + 3 x 2 x 8 off-diagonal (m64n16, A from registers) + 2 x 4 (m64n128)
+        assert rep.count("wgmma.mma_async") == 72
+        assert rep.count("cp.async.bulk.tensor") == 5  # TMA stores: aqk, w and u (two 64-column boxes)
+        assert rep.count("ld.global.v4") >= 32 and rep.count("st.shared.v4") >= 48  # 16-byte accesses
+
+
+def test_tc_layout_facts():
+    """The hand-made addressing of kda_fwd_intra_tc matches the DSL's layouts: the m64n16 fragments of
+    the off-diagonal blocks are register ranges of the m64n64 one, the A registers filled through the
+    m64n128 C coordinates are the RS operand's elements, and the operand tiles' swizzle is S<3,4,3>."""
+    pytest.importorskip("cutlass")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "cula.kernels.sm90.kda_fwd_intra_tc", "--layout-facts"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"})
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert facts["combine_mismatches"] == 0
+    assert facts["a_register_mismatches"] == 0
+    assert facts["x_is_a_transposed"] and facts["w_staging_is_a"]
+    assert {v for k, v in facts.items() if k.startswith("swizzle_")} == {"S<3,4,3>"}
+
+
+TC_CASES = [
+    pytest.param(2, 65, 2, 2, None, -5.0, 0.5, False, id="T65-lb5"),
+    pytest.param(1, 200, 1, 2, [0, 0, 15, 79, 200], -5.0, 0.5, False, id="varlen-zero-gva"),
+    pytest.param(1, 130, 2, 2, None, -11.0, 3.0, True, id="lb11-saturated-negeig"),
+    pytest.param(1, 64, 1, 1, None, -0.1, 0.5, False, id="lb0.1"),
+]
+
+
+@pytest.mark.parametrize("B,T,H,HV,cu,lb,a_scale,neg", TC_CASES)
+def test_tc_algorithm_matches_exact_stages(B, T, H, HV, cu, lb, a_scale, neg):
+    """kda_fwd_intra_tc's algorithm (reference factors, block inverse, bf16 rounding points; torch model)
+    gives the exact stage-1 scratch within bf16 error, also with gates saturated at lower_bound = -11."""
+    from cula.kernels.sm90 import kda_fwd_intra_tc as tc
+
+    args, kw = _case(B, T, H, HV, cu, seed=T, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                     use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg, lower_bound=lb, safe_gate=True)
+    kw["A_log"] = kw["A_log"] / 0.5 * a_scale
+    _, _, exact = kda_fwd.emulate_stages(*args, **kw, dtype=torch.float64)
+    qf, kf, vf, gf, bf, cu_t = kda_fwd._flatten(*args, kw["cu_seqlens"])
+    chunks, _, _ = kda_fwd.chunk_tables(cu_t)
+    model = tc.emulate(*(x.bfloat16() for x in (qf, kf, vf, gf, bf)), chunks, 128 ** -0.5, lb, kw["A_log"],
+                       kw["dt_bias"], use_qk_l2norm=True, use_beta_sigmoid=True, allow_neg_eigval=neg)
+    for name in ("w", "u", "qg", "aqk", "kgt", "gam"):
+        a, b = model[name].double(), exact[name].double()
+        assert torch.isfinite(a).all(), name
+        # bf16 operands: observed 1.5-3.2e-3 (w, the deepest product, the largest)
+        assert (a - b).norm() / b.norm() < 1e-2, name
+
+
+def test_tc_routing():
+    """Only the inputs the tensor-core stage 1 is built for take it; everything else the exact SIMT one."""
+    assert kda_fwd.intra_kind(True, True, -5.0) == "tc"
+    assert kda_fwd.intra_kind(True, True, -11.0) == "tc"
+    assert kda_fwd.intra_kind(True, True, -11.5) == "simt"  # the diagonal factors could overflow
+    assert kda_fwd.intra_kind(True, True, None) == "simt"  # softplus gate: unbounded
+    assert kda_fwd.intra_kind(False, True, -5.0) == "simt"  # no l2norm: bf16 T' may be ill-conditioned
+    assert kda_fwd.intra_kind(True, False, -5.0) == "simt"  # precomputed gates: no bound known
 
 
 # ----------------------------------------------------------------------------------------- GPU

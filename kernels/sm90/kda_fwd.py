@@ -37,6 +37,11 @@ INTRA_INVERSE = "column"
 # products, ~106 KB smem for 2 CTAs/SM, bf16 q/k tiles) passed the CPU emulation of the kernel
 # source and awaits its GPU check (python -m cula.kernels.sm90.kda_fwd --check --variant v2).
 INTRA_VARIANT = "v1"
+# The tensor-core stage 1 (kda_fwd_intra_tc) for the inputs whose math it is built for: the in-kernel
+# gate with a lower bound in [MIN_LOWER_BOUND, 0] (bounded reference factors) and q/k l2norm (without it
+# I + Akk can be ill-conditioned enough that the bf16 T' of the w/u products, FLA's choice too, loses
+# accuracy the SIMT kernel's fp32 T keeps). Everything else takes the SIMT stage 1 above.
+INTRA_TC = True
 DISPATCH_OFF: str | None = "cula-sm90 kda_fwd: correct but measured slower than FLA 0.6.0 on H200 (0.25-0.36x from T=4096)"
 
 
@@ -380,13 +385,21 @@ def kda_fwd(
     from cutlass.cute.runtime import make_fake_stream
 
     i32, f32 = cutlass.Int32, cutlass.Float32
-    if "intra" in stages:
+    intra_args = (*(_ptr(t) for t in (qf, kf, vf, gf)), _ptr(bf, 4), _ptr(a_log, 4), _ptr(dtb, 4), _ptr(chunks, 8),
+                  *(_ptr(t) for t in (w, u, qg, aqk, kgt, gam)),
+                  i32(B * T), i32(H), i32(HV), i32(NC), f32(scale),
+                  f32(lower_bound if lower_bound is not None else 0.0), stream)
+    if "intra" in stages and intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound) == "tc":
+        from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+
+        tc_flags = dict(use_qk_l2norm=True, has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
+                        use_beta_sigmoid=bool(use_beta_sigmoid_in_kernel),
+                        allow_neg_eigval=bool(allow_neg_eigval), group=HV // H)
+        _launch("intra_tc", (tuple(sorted(tc_flags.items())), dts), lambda: intra_tc.KdaFwdIntraTC(**tc_flags),
+                lambda: (*intra.fake_args(*dts), make_fake_stream()), intra_args)
+    elif "intra" in stages:
         _launch("intra", (tuple(sorted(flags.items())), dts), lambda: intra.KdaFwdIntra(**flags),
-                lambda: (*intra.fake_args(*dts), make_fake_stream()),
-                (*(_ptr(t) for t in (qf, kf, vf, gf)), _ptr(bf, 4), _ptr(a_log, 4), _ptr(dtb, 4), _ptr(chunks, 8),
-                 *(_ptr(t) for t in (w, u, qg, aqk, kgt, gam)),
-                 i32(B * T), i32(H), i32(HV), i32(NC), f32(scale),
-                 f32(lower_bound if lower_bound is not None else 0.0), stream))
+                lambda: (*intra.fake_args(*dts), make_fake_stream()), intra_args)
 
     rflags = dict(has_initial_state=initial_state is not None, output_final_state=bool(output_final_state),
                   state_v_first=bool(state_v_first))
@@ -405,13 +418,25 @@ def kda_fwd(
     return out, ht
 
 
+def intra_kind(use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_bound: float | None) -> str:
+    """Which stage-1 kernel ``kda_fwd`` runs: ``"tc"`` (tensor cores) or ``"simt"`` (exact for any gate)."""
+    from cula.kernels.sm90.kda_fwd_intra_tc import MIN_LOWER_BOUND
+
+    if (INTRA_TC and use_qk_l2norm_in_kernel and use_gate_in_kernel and lower_bound is not None
+            and MIN_LOWER_BOUND <= lower_bound <= 0.0):
+        return "tc"
+    return "simt"
+
+
 def compile_targets() -> dict:
     """CPU PTX-check targets of both stages: ``intra*`` and ``recur*``."""
     from cula.kernels.sm90 import kda_fwd_intra as intra
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
     from cula.kernels.sm90 import kda_fwd_recur as recur
 
     targets = {f"intra_{n}" if n != "default" else "intra": f for n, f in intra.compile_targets().items()}
     targets.update({f"recur_{n}" if n != "default" else "recur": f for n, f in recur.compile_targets().items()})
+    targets.update({f"intra_tc_{n}" if n != "default" else "intra_tc": f for n, f in intra_tc.compile_targets().items()})
     targets["default"] = targets["recur"]
     return targets
 

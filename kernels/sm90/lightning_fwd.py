@@ -31,6 +31,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import make_ptr
 
+from cula.kernels.common.wgmma_frag import a_operand_layout as _a_operand_layout
+
 # ---------------------------------------------------------------------------------------------------
 # Constants (static for every compiled variant)
 # ---------------------------------------------------------------------------------------------------
@@ -466,22 +468,6 @@ class LightningFwdSm90:
                 dst_off = cute.assume((row0 + r) * row_stride + cc * 8, divby=8)
                 dst = cute.make_tensor(o_head + dst_off, cute.make_layout(8))
                 dst.store(src.load())
-
-
-def _a_operand_layout(c_layout: cute.Layout) -> cute.Layout:
-    """Register layout of a 16-bit wgmma A operand that reuses the registers of an m64nNk16 C fragment.
-
-    A C fragment holds, per thread, values ((2 cols, 2 rows, N/8 col groups), M=1, N=1). The A operand
-    of a k16 instruction holds ((2 k, 2 rows, 2 k-halves), M=1, K/16 blocks): k-block b, half h is C's
-    column group 2b + h, so the same registers serve with the third mode split into (2, N/16).
-    """
-    shape0 = c_layout.shape[0]
-    stride0 = c_layout.stride[0]
-    n_groups = shape0[2]
-    return cute.make_layout(
-        ((shape0[0], shape0[1], 2), 1, n_groups // 2),
-        stride=((stride0[0], stride0[1], stride0[2]), 0, stride0[2] * 2),
-    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,912 @@
+"""KDA forward, stage 1 of 2 on tensor cores: the intra-chunk work of one (chunk, value head) per CTA.
+
+Same outputs, scratch layout and meaning as ``kda_fwd_intra`` (read its docstring): w, u, qg, aqk,
+kgt (bf16) and gam (fp32) in the chunk-padded layout that ``kda_fwd_recur`` reads. What differs is how
+they are made: the gated products ``Akk``, ``Aqk`` and ``w = T diag(β) k2^Γ``, ``u = T diag(β) v`` run
+on wgmma (bf16 operands, fp32 accumulate, as FLA's chunk pipeline), and only the gate, the cumsum, the
+norms and the 64x64 triangular inverse stay on the CUDA cores (fp32).
+
+Exponent safety needs a bounded gate: this kernel is built for the in-kernel gate with a lower bound
+(``lower_bound <= g < 0`` per token, FLA's ``safe_gate``). Per 16-row block ``I`` the gated products use
+
+    diagonal block:      2^(Γ_i − Γ_j) = 2^(Γ_i − C_I) · 2^(C_I − Γ_j),   C_I = Γ_{16I} − SHIFT
+    block J < I:         2^(Γ_i − Γ_j) = 2^(Γ_i − E_J) · 2^(E_J − Γ_j),   E_J = Γ_{16J+15}
+
+``C_I`` is the block's first cumulative gate moved by half the block's largest possible gate range
+(``SHIFT = 7.5 |lower_bound| / ln 2``), so both diagonal factors stay within ``2^±(7.5·|lb|/ln2)``
+(``2^±54`` at ``lb = -5``) and depend on no token later than the row they scale (no future-gate
+leakage through rounding; FLA's KDA intra makes the same choice). Both off-diagonal factors are ``<= 1``.
+The host sends other gates to ``kda_fwd_intra`` (exact for any gate).
+
+One warpgroup (128 threads) per CTA, two CTAs per SM (~104 KB of shared memory each). Phases:
+  1. loads (16-byte, coalesced): q, k, v, g of the chunk; thread t owns rows 8(t/16)..+7 and columns
+     8(t%16)..+7, so a row's 16 owners are one half-warp (row norms by shuffles) and warp w owns
+     16-row block w. Gate transform, in-thread cumsum down its 8 rows, group totals via smem.
+  2. pointwise: Γ, the reference factors, Ka = k̂ 2^(Γ−C), Qa = scale q̂ 2^(Γ−C), K̃ = k̂ 2^(C−Γ),
+     K̂ = k̂ 2^(E−Γ), X = k̂ 2^Γ into swizzled smem operand tiles; qg, kgᵀ, gam straight to global.
+  3. wgmma: diagonal blocks ``Ka K̃ᵀ`` / ``Qa K̃ᵀ`` (SS, m64n64, 16 instructions); for each column block
+     J the off-diagonal rows ``(Ka ⊙ 2^(C_I − E_J)) K̂_Jᵀ`` (RS: each warp scales its own A rows, m64n16,
+     48 instructions). Combined in registers: the m64n16 fragment of block J is exactly the register
+     range 8J..8J+7 of the m64n64 fragment (same threads, same rows and columns).
+  4. T = (I + Akk)^-1 in fp32 on the CUDA cores: 16x16 diagonal blocks by substitution, then
+     T_10, T_32 and the lower-left 32x32 by the doubling formula T_BA = −T_B A_BA T_A.
+  5. wgmma: w = T' X, u = T' v with T' = T diag(β) in bf16 (SS, m64n128k16, 8 instructions).
+  6. stmatrix into swizzled tiles, TMA stores of w, u and aqk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from cula.kernels.common.wgmma_frag import a_operand_layout
+
+CHUNK = 64  # tokens per chunk (FLA's chunk_size): one wgmma M tile
+DK = 128  # key head dim
+DV = 128  # value head dim
+SUB = 16  # row block: one warp's rows of an m64 wgmma tile, and the reference-factor granularity
+NBLK = CHUNK // SUB  # 4 row blocks
+THREADS = 128  # one warpgroup
+ROWS_PER_THREAD = 8  # pointwise phase: 8 consecutive rows ...
+COLS_PER_THREAD = 8  # ... x 8 consecutive columns (one 16-byte bf16 vector per row)
+GROUPS = CHUNK // ROWS_PER_THREAD  # 8 row groups of 8; group g is lanes 16(g%2).. of warp g//2
+CTAS_PER_SM = 2  # ~104 KB smem and <= 255 registers each: two chunks in flight per SM
+PAD = CHUNK + 1  # fp32 row pitch of the 64x64 matrices of the inverse (conflict-free columns)
+PAIRS = ((1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (3, 2))  # (I, J) off-diagonal block pairs, I > J
+RCP_LN2 = 1.0 / math.log(2.0)
+L2NORM_EPS = 1e-6
+#: The gate bound this kernel takes: the diagonal factors reach 2^(7.5 |lb| / ln 2) = 2^119 at lb = -11
+#: (fp32 and bf16 overflow at 2^128). kda_fwd sends looser or no bounds to the exact SIMT kernel.
+MIN_LOWER_BOUND = -11.0
+SMEM_PER_SM = 233472  # H100/H200: answers the DSL's device query on a CPU compile
+
+BF16 = cutlass.BFloat16
+F32 = cutlass.Float32
+
+
+def pair_index(i_blk: int, j_blk: int) -> int:
+    """Index of (I, J), I > J, in ``PAIRS`` (row-major over the strictly lower block triangle)."""
+    return i_blk * (i_blk - 1) // 2 + j_blk
+
+
+class KdaFwdIntraTC:
+    """Compile-time configuration (flags and dtypes) of the tensor-core intra-chunk kernel."""
+
+    def __init__(
+        self,
+        use_qk_l2norm: bool,
+        has_a_log: bool,
+        has_dt_bias: bool,
+        use_beta_sigmoid: bool,
+        allow_neg_eigval: bool,
+        group: int,
+    ):
+        self.use_qk_l2norm = use_qk_l2norm
+        self.has_a_log = has_a_log
+        self.has_dt_bias = has_dt_bias
+        self.use_beta_sigmoid = use_beta_sigmoid
+        self.beta_mult = 2.0 if allow_neg_eigval else 1.0
+        self.group = group  # HV // H
+
+    # ------------------------------------------------------------------------------ host side --
+    @cute.jit
+    def __call__(
+        self,
+        pQ: cute.Pointer,  # [TT, H, 128]
+        pK: cute.Pointer,  # [TT, H, 128]
+        pV: cute.Pointer,  # [TT, HV, 128]
+        pG: cute.Pointer,  # [TT, HV, 128] raw gate
+        pBeta: cute.Pointer,  # [TT, HV]
+        pALog: cute.Pointer,  # [HV] fp32 (dummy when unused)
+        pDtBias: cute.Pointer,  # [HV * 128] fp32 (dummy when unused)
+        pChunks: cute.Pointer,  # [NC, 2] int32: first token, valid rows
+        pW: cute.Pointer,  # [HV, NC*64, 128] bf16
+        pU: cute.Pointer,  # [HV, NC*64, 128] bf16
+        pQG: cute.Pointer,  # [HV, NC*64, 128] bf16
+        pAqk: cute.Pointer,  # [HV, NC*64, 64] bf16
+        pKGT: cute.Pointer,  # [HV, 128, NC*64] bf16
+        pGam: cute.Pointer,  # [HV, NC, 128] fp32
+        total_tokens: cutlass.Int32,
+        num_heads: cutlass.Int32,
+        num_heads_v: cutlass.Int32,
+        num_chunks: cutlass.Int32,
+        scale: cutlass.Float32,
+        lower_bound: cutlass.Float32,
+        stream,
+    ):
+        # The argument list is kda_fwd_intra's: the host launches either kernel with the same values.
+        HV, NC = num_heads_v, num_chunks
+        R = NC * CHUNK
+        kmaj = utils.LayoutEnum.ROW_MAJOR
+        mnmaj = utils.LayoutEnum.COL_MAJOR
+        # operand tiles (swizzled wgmma canonical layouts; see the smem budget in kda_fwd.md)
+        self.a_layout = sm90_utils.make_smem_layout_a(kmaj, (CHUNK, CHUNK, DK), BF16, 1)  # Ka, Qa [64, 128]
+        self.kt_layout = sm90_utils.make_smem_layout_b(kmaj, (CHUNK, CHUNK, DK), BF16, 1)  # K̃ [64 tok, 128]
+        self.kh_layout = sm90_utils.make_smem_layout_b(kmaj, (CHUNK, SUB, DK), BF16, NBLK - 1)  # K̂_J [16, 128] x3
+        self.x_layout = sm90_utils.make_smem_layout_b(mnmaj, (CHUNK, DV, CHUNK), BF16, 1)  # X, v: (d, tok)
+        self.tb_layout = sm90_utils.make_smem_layout_a(kmaj, (CHUNK, DV, CHUNK), BF16, 1)  # T' [64, 64]
+        # output staging for the TMA stores: the layouts kda_fwd_recur's TMA loads read back
+        self.w_layout = sm90_utils.make_smem_layout_b(kmaj, (CHUNK, CHUNK, DK), BF16, 1)  # w, u [64 tok, 128]
+        self.aqk_layout = sm90_utils.make_smem_layout_b(kmaj, (CHUNK, CHUNK, CHUNK), BF16, 1)  # [64, 64]
+
+        mW = cute.make_tensor(pW, cute.make_layout((R, DK, HV), stride=(DK, 1, R * DK)))
+        mU = cute.make_tensor(pU, cute.make_layout((R, DV, HV), stride=(DV, 1, R * DV)))
+        mAqk = cute.make_tensor(pAqk, cute.make_layout((R, CHUNK, HV), stride=(CHUNK, 1, R * CHUNK)))
+        s2g = cpasync.CopyBulkTensorTileS2GOp()
+        w_one = cute.slice_(self.w_layout, (None, None, 0))
+        aqk_one = cute.slice_(self.aqk_layout, (None, None, 0))
+        tma_w, tW = cpasync.make_tiled_tma_atom(s2g, mW, w_one, (CHUNK, DK))
+        tma_u, tU = cpasync.make_tiled_tma_atom(s2g, mU, w_one, (CHUNK, DV))
+        tma_aqk, tAqk = cpasync.make_tiled_tma_atom(s2g, mAqk, aqk_one, (CHUNK, CHUNK))
+
+        kmode = warpgroup.OperandMajorMode.K
+        mnmode = warpgroup.OperandMajorMode.MN
+        # diagonal blocks: A = Ka / Qa (smem), B = K̃ (smem)                     [64 i, 64 j]
+        mma_diag = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, kmode, F32, (1, 1, 1), (CHUNK, CHUNK))
+        # off-diagonal column block J: A = per-warp scaled Ka / Qa (registers), B = K̂_J   [64 i, 16 j]
+        mma_off = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, kmode, F32, (1, 1, 1), (CHUNK, SUB),
+                                                    warpgroup.OperandSource.RMEM)
+        # w = T' X and u = T' v: A = T' (smem), B = X / v with d contiguous             [64 i, 128 d]
+        mma_wu = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, mnmode, F32, (1, 1, 1), (CHUNK, DK))
+
+        @cute.struct
+        class SharedStorage:
+            sKa: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
+            sQa: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
+            sKt: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
+            sKh: cute.struct.Align[cute.struct.MemRange[BF16, (NBLK - 1) * SUB * DK], 1024]
+            sX: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DV], 1024]
+            sTot: cute.struct.Align[cute.struct.MemRange[F32, GROUPS * DK], 16]
+            sFirst: cute.struct.Align[cute.struct.MemRange[F32, NBLK * DK], 16]
+            sC: cute.struct.Align[cute.struct.MemRange[F32, len(PAIRS) * DK], 16]
+            sBeta: cute.struct.Align[cute.struct.MemRange[F32, CHUNK], 16]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam,
+            tma_w, tW, tma_u, tU, tma_aqk, tAqk,
+            mma_diag, mma_off, mma_wu,
+            self.a_layout, self.kt_layout, self.kh_layout, self.x_layout, self.tb_layout,
+            self.w_layout, self.aqk_layout,
+            num_heads, HV, NC, scale, lower_bound,
+        ).launch(grid=[NC, HV, 1], block=[THREADS, 1, 1], stream=stream,
+                 smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=CTAS_PER_SM)
+
+    # ---------------------------------------------------------------------------- device side --
+    @cute.kernel
+    def kernel(
+        self,
+        pQ: cute.Pointer,
+        pK: cute.Pointer,
+        pV: cute.Pointer,
+        pG: cute.Pointer,
+        pBeta: cute.Pointer,
+        pALog: cute.Pointer,
+        pDtBias: cute.Pointer,
+        pChunks: cute.Pointer,
+        pQG: cute.Pointer,
+        pKGT: cute.Pointer,
+        pGam: cute.Pointer,
+        tma_w: cute.CopyAtom,
+        tW: cute.Tensor,
+        tma_u: cute.CopyAtom,
+        tU: cute.Tensor,
+        tma_aqk: cute.CopyAtom,
+        tAqk: cute.Tensor,
+        mma_diag: cute.TiledMma,
+        mma_off: cute.TiledMma,
+        mma_wu: cute.TiledMma,
+        a_layout: cute.ComposedLayout,
+        kt_layout: cute.ComposedLayout,
+        kh_layout: cute.ComposedLayout,
+        x_layout: cute.ComposedLayout,
+        tb_layout: cute.ComposedLayout,
+        w_layout: cute.ComposedLayout,
+        aqk_layout: cute.ComposedLayout,
+        H: cutlass.Int32,
+        HV: cutlass.Int32,
+        NC: cutlass.Int32,
+        scale: cutlass.Float32,
+        lower_bound: cutlass.Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        chunk, hv, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        grp = tidx // 16  # row group: rows 8 grp .. 8 grp + 7 (block grp // 2 = warp)
+        d0 = (tidx % 16) * COLS_PER_THREAD  # first of the 8 columns this thread owns
+        r0 = grp * ROWS_PER_THREAD
+        hq = hv // self.group
+        chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
+        tok0 = chunks[chunk, 0]
+        nvalid = chunks[chunk, 1]
+        R = NC * CHUNK
+        row0 = chunk * CHUNK
+
+        smem = utils.SmemAllocator()
+        st = smem.allocate(self.shared_storage)
+        sKa = st.sKa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        sQa = st.sQa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        sKt = st.sKt.get_tensor(kt_layout.outer, swizzle=kt_layout.inner)
+        sKh = st.sKh.get_tensor(kh_layout.outer, swizzle=kh_layout.inner)
+        sX = st.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
+        sV = st.sV.get_tensor(x_layout.outer, swizzle=x_layout.inner)
+        sTot = st.sTot.get_tensor(cute.make_layout((GROUPS, DK), stride=(DK, 1)))
+        sFirst = st.sFirst.get_tensor(cute.make_layout((NBLK, DK), stride=(DK, 1)))
+        sC = st.sC.get_tensor(cute.make_layout((len(PAIRS), DK), stride=(DK, 1)))
+        sBeta = st.sBeta.get_tensor(cute.make_layout(CHUNK))
+        # after the products of phase 3 the operand tiles are dead: the inverse and the aqk staging
+        # reuse them (sA spills 256 B into sQa, sT 256 B into sKh; see the budget in kda_fwd.md)
+        f32_base_ka = cute.recast_ptr(st.sKa.data_ptr(), dtype=F32)
+        f32_base_qa = cute.recast_ptr(st.sQa.data_ptr(), dtype=F32)
+        f32_base_kt = cute.recast_ptr(st.sKt.data_ptr(), dtype=F32)
+        sA = cute.make_tensor(f32_base_ka, cute.make_layout((CHUNK, CHUNK), stride=(PAD, 1)))
+        sT = cute.make_tensor(f32_base_kt, cute.make_layout((CHUNK, CHUNK), stride=(PAD, 1)))
+        sY = cute.make_tensor(f32_base_qa + 128, cute.make_layout((2 * SUB, 2 * SUB), stride=(2 * SUB + 1, 1)))
+        tb_raw = st.sQa.data_ptr() + CHUNK * DK // 2  # 8 KB into sQa: 1024-byte aligned
+        tb_ptr = cute.recast_ptr(tb_raw, swizzle_=tb_layout.inner, dtype=BF16)
+        sTb = cute.make_tensor(tb_ptr, tb_layout.outer)
+        aqk_ptr = cute.recast_ptr(st.sKh.data_ptr() + 2 * 1024, swizzle_=aqk_layout.inner, dtype=BF16)
+        sAqk = cute.make_tensor(aqk_ptr, aqk_layout.outer)
+        sWst = st.sX.get_tensor(w_layout.outer, swizzle=w_layout.inner)
+        sUst = st.sV.get_tensor(w_layout.outer, swizzle=w_layout.inner)
+        # unswizzled tile starts, for the 16-byte vector accesses of the pointwise phases
+        ka_raw = st.sKa.data_ptr()
+        qa_raw = st.sQa.data_ptr()
+        kt_raw = st.sKt.data_ptr()
+        kh_raw = st.sKh.data_ptr()
+        x_raw = st.sX.data_ptr()
+        v_raw = st.sV.data_ptr()
+
+        # ================================================================ phase 1: loads, gate, scan
+        a_exp = F32(1.0)
+        if cutlass.const_expr(self.has_a_log):
+            a_exp = cute.math.exp(cute.make_tensor(pALog, cute.make_layout(hv + 1))[hv].to(F32))
+        dtb = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+        dtb.fill(0.0)
+        if cutlass.const_expr(self.has_dt_bias):
+            dtb.store(_vec(pDtBias, hv * DK + d0, COLS_PER_THREAD).load().to(F32))
+        gl = cute.make_rmem_tensor(cute.make_layout((ROWS_PER_THREAD, COLS_PER_THREAD),
+                                                    stride=(COLS_PER_THREAD, 1)), F32)  # Γ, local scan
+        ssq = cute.make_rmem_tensor(cute.make_layout(2 * ROWS_PER_THREAD), F32)  # Σx² of q rows, k rows
+        xq = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+        xk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+        xv = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+        xg = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+        obf = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
+        for rr in cutlass.range_constexpr(ROWS_PER_THREAD):
+            r = r0 + rr
+            # rows past the end read the chunk's last valid row (in bounds, this sequence's own
+            # data) and are zeroed by `keep`
+            keep = F32(1.0)
+            if r >= nvalid:
+                keep = F32(0.0)
+            tok = tok0 + cutlass.min(r, nvalid - 1)
+            xq.store(_vec(pQ, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load().to(F32) * keep)
+            xk.store(_vec(pK, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load().to(F32) * keep)
+            xv.store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load().to(F32) * keep)
+            xg.store(_vec(pG, (tok * HV + hv) * DK + d0, COLS_PER_THREAD).load().to(F32))
+            # raw q, k, v to their tiles (q and k are rewritten in place in phase 2)
+            obf.store(xq.load().to(BF16))
+            _st8(a_layout, qa_raw, (r, d0, 0), obf)
+            obf.store(xk.load().to(BF16))
+            _st8(a_layout, ka_raw, (r, d0, 0), obf)
+            obf.store(xv.load().to(BF16))
+            _st8(x_layout, v_raw, (d0, r, 0), obf)  # MN-major: (d, token)
+            sq = F32(0.0)
+            sk = F32(0.0)
+            for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                sq = sq + xq[c] * xq[c]
+                sk = sk + xk[c] * xk[c]
+                # lower-bounded gate, in log2 units: lb * sigmoid(a (g + dt_bias)) / ln 2
+                z = a_exp * (xg[c] + dtb[c])
+                gv = lower_bound * F32(RCP_LN2) / (F32(1.0) + cute.math.exp(-z, fastmath=True))
+                prev = F32(0.0)
+                if cutlass.const_expr(rr > 0):
+                    prev = gl[rr - 1, c]
+                gl[rr, c] = prev + gv * keep
+            ssq[rr] = sq
+            ssq[ROWS_PER_THREAD + rr] = sk
+        # a row's 128 columns live on one half-warp: butterfly over lanes 1, 2, 4, 8
+        for s in cutlass.range_constexpr(4):
+            for m in cutlass.range_constexpr(2 * ROWS_PER_THREAD):
+                ssq[m] = ssq[m] + cute.arch.shuffle_sync_bfly(ssq[m], offset=1 << s)
+        for c in cutlass.range_constexpr(COLS_PER_THREAD):
+            sTot[grp, d0 + c] = gl[ROWS_PER_THREAD - 1, c]
+            if grp % 2 == 0:
+                sFirst[grp // 2, d0 + c] = gl[0, c]
+        if tidx < CHUNK:
+            keep_b = F32(1.0)
+            if tidx >= nvalid:
+                keep_b = F32(0.0)
+            tb = tok0 + cutlass.min(tidx, nvalid - 1)
+            bv = cute.make_tensor(pBeta, cute.make_layout((tb + 1) * HV))[tb * HV + hv].to(F32)
+            if cutlass.const_expr(self.use_beta_sigmoid):
+                bv = F32(self.beta_mult) / (F32(1.0) + cute.math.exp(-bv, fastmath=True))
+            sBeta[tidx] = bv * keep_b
+        cute.arch.sync_threads()
+
+        # ============================================ phase 2: reference factors and operand tiles
+        shift = lower_bound * F32(-7.5 * RCP_LN2)  # half of a block's largest gate range (log2)
+        blk = grp // 2  # = warp: this thread's 16-row block
+        pre = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # Γ before row 8 grp
+        cref = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # C_blk
+        eref = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # E_blk
+        run = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # Γ at the chunk end
+        run.fill(0.0)
+        pre.fill(0.0)
+        cref.fill(0.0)
+        eref.fill(0.0)
+        for gq in cutlass.range_constexpr(GROUPS):
+            for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                if gq == grp:
+                    pre[c] = run[c]
+                if gq == 2 * blk:
+                    cref[c] = run[c] + sFirst[blk, d0 + c] - shift
+                run[c] = run[c] + sTot[gq, d0 + c]
+                if gq == 2 * blk + 1:
+                    eref[c] = run[c]
+        fh = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # 2^(E − C): K̃ -> K̂
+        fk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # 2^(Γ_last − E): K̂ -> kg
+        for c in cutlass.range_constexpr(COLS_PER_THREAD):
+            fh[c] = cute.math.exp2(eref[c] - cref[c], fastmath=True)
+            fk[c] = cute.math.exp2(run[c] - eref[c], fastmath=True)
+        # the off-diagonal factors 2^(C_I − E_J), one column per thread
+        tot_col = cute.make_rmem_tensor(cute.make_layout(GROUPS + 1), F32)  # inclusive prefix by group
+        tot_col[0] = F32(0.0)
+        for gq in cutlass.range_constexpr(GROUPS):
+            tot_col[gq + 1] = tot_col[gq] + sTot[gq, tidx]
+        for p in cutlass.range_constexpr(len(PAIRS)):
+            ib, jb = PAIRS[p]
+            c_i = tot_col[2 * ib] + sFirst[ib, tidx] - shift
+            e_j = tot_col[2 * jb + 2]
+            sC[p, tidx] = cute.math.exp2(c_i - e_j, fastmath=True)
+
+        rq = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+        rk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+        kgt = cute.make_rmem_tensor(cute.make_layout((COLS_PER_THREAD, ROWS_PER_THREAD),
+                                                     stride=(ROWS_PER_THREAD, 1)), BF16)  # [c][rr]
+        qg_head = pQG + (hv * R + row0) * DK
+        for rr in cutlass.range_constexpr(ROWS_PER_THREAD):
+            r = r0 + rr
+            nq = scale
+            nk = F32(1.0)
+            if cutlass.const_expr(self.use_qk_l2norm):
+                nq = scale * cute.math.rsqrt(ssq[rr] + F32(L2NORM_EPS))
+                nk = cute.math.rsqrt(ssq[ROWS_PER_THREAD + rr] + F32(L2NORM_EPS))
+            _ld8(a_layout, qa_raw, (r, d0, 0), obf)
+            rq.store(obf.load().to(F32) * nq)
+            _ld8(a_layout, ka_raw, (r, d0, 0), obf)
+            rk.store(obf.load().to(F32) * nk)
+            ka = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+            qa = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+            kt = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+            kh = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+            xx = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+            qg = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+            for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                gam = gl[rr, c] + pre[c]  # Γ of (r, d0 + c)
+                fa = cute.math.exp2(gam - cref[c], fastmath=True)  # <= 2^shift
+                fb = cute.math.exp2(cref[c] - gam, fastmath=True)  # <= 2^shift
+                fg = cute.math.exp2(gam, fastmath=True)  # <= 1
+                ka[c] = rk[c] * fa
+                qa[c] = rq[c] * fa
+                kt[c] = rk[c] * fb
+                kh[c] = kt[c] * fh[c]  # k̂ 2^(E − Γ) <= |k̂|
+                xx[c] = rk[c] * fg
+                qg[c] = rq[c] * fg
+                kgt[c, rr] = (kh[c] * fk[c]).to(BF16)  # k̂ 2^(Γ_last − Γ)
+            obf.store(ka.load().to(BF16))
+            _st8(a_layout, ka_raw, (r, d0, 0), obf)
+            obf.store(qa.load().to(BF16))
+            _st8(a_layout, qa_raw, (r, d0, 0), obf)
+            obf.store(kt.load().to(BF16))
+            _st8(kt_layout, kt_raw, (r, d0, 0), obf)
+            if warp < NBLK - 1:  # K̂ of block 3 is never a B operand
+                obf.store(kh.load().to(BF16))
+                _st8(kh_layout, kh_raw, (r % SUB, d0, warp), obf)
+            obf.store(xx.load().to(BF16))
+            _st8(x_layout, x_raw, (d0, r, 0), obf)
+            obf.store(qg.load().to(BF16))
+            _vec(qg_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
+        # kgᵀ: this thread's 8 rows are 8 consecutive tokens of one column: one 16-byte store each
+        for c in cutlass.range_constexpr(COLS_PER_THREAD):
+            dst = _vec(pKGT, (hv * DK + d0 + c) * R + row0 + r0, ROWS_PER_THREAD)
+            dst.store(kgt[c, None].load())
+        if grp == 0:
+            gam_out = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+            for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                gam_out[c] = cute.math.exp2(run[c], fastmath=True)
+            _vec(pGam, (hv * NC + chunk) * DK + d0, COLS_PER_THREAD).store(gam_out.load())
+        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+        cute.arch.sync_threads()
+
+        # ================================================================ phase 3: Akk, Aqk on wgmma
+        thr_d = mma_diag.get_slice(tidx)
+        tAka = thr_d.make_fragment_A(thr_d.partition_A(sKa))
+        tAqa = thr_d.make_fragment_A(thr_d.partition_A(sQa))
+        tBkt = thr_d.make_fragment_B(thr_d.partition_B(sKt))
+        acc_kk = thr_d.make_fragment_C(thr_d.partition_shape_C((CHUNK, CHUNK)))
+        acc_qk = thr_d.make_fragment_C(thr_d.partition_shape_C((CHUNK, CHUNK)))
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tAka, mode=[2])):
+            mma_diag.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(mma_diag, acc_kk, tAka[None, None, kb, 0], tBkt[None, None, kb, 0], acc_kk)
+        for kb in cutlass.range_constexpr(cute.size(tAqa, mode=[2])):
+            mma_diag.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(mma_diag, acc_qk, tAqa[None, None, kb, 0], tBkt[None, None, kb, 0], acc_qk)
+        warpgroup.commit_group()
+
+        thr_o = mma_off.get_slice(tidx)
+        tBkh = thr_o.make_fragment_B(thr_o.partition_B(sKh))  # (MMA, 1, 8, 3)
+        # A registers of a K = 128 operand, addressed through the C fragment of an m64n128 product
+        thr_wu = mma_wu.get_slice(tidx)
+        c128 = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK)))
+        cA = thr_wu.partition_C(cute.make_identity_tensor((CHUNK, DK)))  # (row i, column d) per value
+        acc_ok = []
+        acc_oq = []
+        for jb in cutlass.range_constexpr(NBLK - 1):
+            acc_ok.append(thr_o.make_fragment_C(thr_o.partition_shape_C((CHUNK, SUB))))
+            acc_oq.append(thr_o.make_fragment_C(thr_o.partition_shape_C((CHUNK, SUB))))
+        for jb in cutlass.range_constexpr(NBLK - 1):
+            # rows of warp I > J: Ka ⊙ 2^(C_I − E_J) = k̂ 2^(Γ − E_J) <= 1; rows of warps I <= J: 0
+            use = F32(0.0)
+            if warp > jb:
+                use = F32(1.0)
+            p = warp * (warp - 1) // 2 + jb  # pair_index(warp, jb); in range for every warp
+            rAk = cute.make_rmem_tensor(a_operand_layout(c128.layout), BF16)
+            rAq = cute.make_rmem_tensor(a_operand_layout(c128.layout), BF16)
+            rAk_c = cute.make_tensor(rAk.iterator, c128.layout)
+            rAq_c = cute.make_tensor(rAq.iterator, c128.layout)
+            # values e, e + 1 of a C fragment are columns d, d + 1 of one row: one 4-byte load each
+            two_k = cute.make_rmem_tensor(cute.make_layout(2), BF16)
+            two_q = cute.make_rmem_tensor(cute.make_layout(2), BF16)
+            for e in cutlass.range_constexpr(0, cute.size(c128), 2):
+                i, d = cA[e]
+                off = cute.assume(_swizzled_offset(a_layout, (i, d, 0)), divby=2)
+                two_k.store(cute.make_tensor(ka_raw + off, cute.make_layout(2)).load())
+                two_q.store(cute.make_tensor(qa_raw + off, cute.make_layout(2)).load())
+                for h in cutlass.range_constexpr(2):
+                    f = sC[p, d + h] * use
+                    rAk_c[e + h] = (two_k[h].to(F32) * f).to(BF16)
+                    rAq_c[e + h] = (two_q[h].to(F32) * f).to(BF16)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(cute.size(rAk, mode=[2])):
+                mma_off.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(mma_off, acc_ok[jb], rAk[None, None, kb], tBkh[None, None, kb, jb], acc_ok[jb])
+            for kb in cutlass.range_constexpr(cute.size(rAq, mode=[2])):
+                mma_off.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(mma_off, acc_oq[jb], rAq[None, None, kb], tBkh[None, None, kb, jb], acc_oq[jb])
+            warpgroup.commit_group()
+            # the next block's A values go to fresh registers only once these are read
+            warpgroup.wait_group(0)
+        cute.arch.sync_threads()  # every warp is past its reads of the operand tiles: reuse them
+
+        # ------------------------------------------------ combine: Akk β -> sA (fp32), Aqk -> staging
+        cD = thr_d.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
+        rAqk = cute.make_rmem_tensor(acc_qk.layout, BF16)
+        per_blk = cute.size(acc_kk) // NBLK  # 8 values of a thread per 16-column block
+        for e in cutlass.range_constexpr(cute.size(acc_kk)):
+            i, j = cD[e]
+            jb = e // per_blk  # column block of value e (the C fragment's column groups go by 8)
+            vk = F32(0.0)
+            vq = F32(0.0)
+            if cutlass.const_expr(jb < NBLK - 1):
+                if warp > jb:
+                    vk = acc_ok[jb][e % per_blk]
+                    vq = acc_oq[jb][e % per_blk]
+            if warp == jb:
+                if j < i:
+                    vk = acc_kk[e]
+                if j <= i:
+                    vq = acc_qk[e]
+            sA[i, j] = vk * sBeta[i]
+            rAqk[e] = vq.to(BF16)
+        st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BF16)
+        st_d = cute.make_tiled_copy_C(st_atom, mma_diag)
+        cute.copy(st_d, st_d.retile(rAqk), st_d.get_slice(tidx).partition_D(sAqk[None, None, 0]))
+        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+        cute.arch.sync_threads()
+        one = cute.make_layout(1)
+        if warp == 0:
+            gAqk = cute.local_tile(tAqk[None, None, hv], (CHUNK, CHUNK), (None, 0))
+            tAs, tAg = cpasync.tma_partition(tma_aqk, 0, one, cute.group_modes(sAqk, 0, 2),
+                                             cute.group_modes(gAqk, 0, 2))
+            if lane == 0:
+                cute.copy(tma_aqk, tAs[None, 0], tAg[None, chunk])
+                cute.arch.cp_async_bulk_commit_group()
+
+        # ==================================================== phase 4: T = (I + Akk)^-1, fp32 SIMT
+        self.invert(sA, sT, sY, warp, lane, tidx)
+        # T' = T diag(β) in bf16 (upper blocks zero): the A operand of w and u
+        ti = tidx // 2
+        tj0 = (tidx % 2) * (CHUNK // 2)
+        for v8 in cutlass.range_constexpr(CHUNK // 2 // 8):
+            j0 = tj0 + v8 * 8
+            tv = cute.make_rmem_tensor(cute.make_layout(8), F32)
+            for c in cutlass.range_constexpr(8):
+                tv[c] = sT[ti, j0 + c] * sBeta[j0 + c]
+                if j0 // SUB > ti // SUB:
+                    tv[c] = F32(0.0)
+            obf.store(tv.load().to(BF16))
+            _st8(tb_layout, tb_raw, (ti, j0, 0), obf)
+        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+        cute.arch.sync_threads()
+
+        # ====================================================== phase 5: w = T' X, u = T' v (wgmma)
+        tAtb = thr_wu.make_fragment_A(thr_wu.partition_A(sTb))
+        tBx = thr_wu.make_fragment_B(thr_wu.partition_B(sX))
+        tBv = thr_wu.make_fragment_B(thr_wu.partition_B(sV))
+        acc_w = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK)))
+        acc_u = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DV)))
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tAtb, mode=[2])):
+            mma_wu.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(mma_wu, acc_w, tAtb[None, None, kb, 0], tBx[None, None, kb, 0], acc_w)
+        for kb in cutlass.range_constexpr(cute.size(tAtb, mode=[2])):
+            mma_wu.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(mma_wu, acc_u, tAtb[None, None, kb, 0], tBv[None, None, kb, 0], acc_u)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        cute.arch.sync_threads()  # X and v are read: their tiles become the w / u staging
+
+        # ================================================ phase 6: w, u -> swizzled tiles -> TMA stores
+        st_wu = cute.make_tiled_copy_C(st_atom, mma_wu)
+        thr_st = st_wu.get_slice(tidx)
+        rW = cute.make_rmem_tensor(acc_w.layout, BF16)
+        rW.store(acc_w.load().to(BF16))
+        cute.copy(st_wu, st_wu.retile(rW), thr_st.partition_D(sWst[None, None, 0]))
+        rU = cute.make_rmem_tensor(acc_u.layout, BF16)
+        rU.store(acc_u.load().to(BF16))
+        cute.copy(st_wu, st_wu.retile(rU), thr_st.partition_D(sUst[None, None, 0]))
+        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+        cute.arch.sync_threads()
+        if warp == 0:
+            gW = cute.local_tile(tW[None, None, hv], (CHUNK, DK), (None, 0))
+            gU = cute.local_tile(tU[None, None, hv], (CHUNK, DV), (None, 0))
+            tWs, tWg = cpasync.tma_partition(tma_w, 0, one, cute.group_modes(sWst, 0, 2),
+                                             cute.group_modes(gW, 0, 2))
+            tUs, tUg = cpasync.tma_partition(tma_u, 0, one, cute.group_modes(sUst, 0, 2),
+                                             cute.group_modes(gU, 0, 2))
+            if lane == 0:
+                cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
+                cute.copy(tma_u, tUs[None, 0], tUg[None, chunk])
+                cute.arch.cp_async_bulk_commit_group()
+                # shared memory must outlive the bulk copies' reads of it
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def invert(self, sA: cute.Tensor, sT: cute.Tensor, sY: cute.Tensor, warp, lane, tidx):
+        """sT <- (I + sA)^-1 on and below the diagonal blocks (sA strictly lower, fp32).
+
+        1. warp w, lanes 0..15: column ``lane`` of the 16x16 diagonal block w by forward substitution
+           (lanes 16..31 of warps 0 and 2 zero the blocks (0,1) and (2,3), which steps 3a/3b read);
+        2. T_10 = −T_11 (A_10 T_00), T_32 = −T_33 (A_32 T_22);
+        3. the lower-left 32x32 block: T_BA = −T_B (A_BA T_A), T_A / T_B the upper / lower 32x32
+           diagonal blocks of T (lower block triangular, so L^-1 = [[T_A, 0], [−T_B A_BA T_A, T_B]]).
+        """
+        base = warp * SUB
+        if lane < SUB:
+            col = cute.make_rmem_tensor(cute.make_layout(SUB), F32)
+            for i in cutlass.range_constexpr(SUB):
+                acc0 = F32(0.0)
+                acc1 = F32(0.0)  # two partial sums halve the dependency chain
+                if lane == i:
+                    acc0 = F32(1.0)
+                for j in cutlass.range_constexpr(i):
+                    if cutlass.const_expr(j % 2 == 0):
+                        acc0 = acc0 - sA[base + i, base + j] * col[j]
+                    else:
+                        acc1 = acc1 - sA[base + i, base + j] * col[j]
+                col[i] = acc0 + acc1
+                sT[base + i, base + lane] = col[i]
+        else:
+            if warp % 2 == 0:
+                for i in cutlass.range_constexpr(SUB):
+                    sT[base + i, base + lane] = F32(0.0)
+        cute.arch.sync_threads()
+        # step 2: two 16x16 blocks, 512 entries, 4 per thread; s // 2 picks the block
+        for s in cutlass.range_constexpr(4):
+            ib, jb = (1, 0) if s < 2 else (3, 2)
+            rem = tidx + THREADS * (s % 2)
+            r = rem // SUB
+            c = rem % SUB
+            acc = F32(0.0)
+            for kk in cutlass.range_constexpr(SUB):
+                acc = acc + sA[ib * SUB + r, jb * SUB + kk] * sT[jb * SUB + kk, jb * SUB + c]
+            sY[(s // 2) * SUB + r, c] = acc
+        cute.arch.sync_threads()
+        for s in cutlass.range_constexpr(4):
+            ib, jb = (1, 0) if s < 2 else (3, 2)
+            rem = tidx + THREADS * (s % 2)
+            r = rem // SUB
+            c = rem % SUB
+            acc = F32(0.0)
+            for kk in cutlass.range_constexpr(SUB):
+                acc = acc + sT[ib * SUB + r, ib * SUB + kk] * sY[(s // 2) * SUB + kk, c]
+            sT[ib * SUB + r, jb * SUB + c] = -acc
+        cute.arch.sync_threads()
+        # step 3: Y = A_BA T_A (32x32, k < 32), then T_BA = −T_B Y; thread = (row, lane)
+        half = 2 * SUB
+        for s in cutlass.range_constexpr(half * half // THREADS):
+            r = tidx // 32 + s * (THREADS // 32)
+            c = lane
+            acc = F32(0.0)
+            for kk in cutlass.range_constexpr(half):
+                acc = acc + sA[half + r, kk] * sT[kk, c]
+            sY[r, c] = acc
+        cute.arch.sync_threads()
+        for s in cutlass.range_constexpr(half * half // THREADS):
+            r = tidx // 32 + s * (THREADS // 32)
+            c = lane
+            acc = F32(0.0)
+            for kk in cutlass.range_constexpr(half):
+                acc = acc + sT[half + r, half + kk] * sY[kk, c]
+            sT[half + r, c] = -acc
+        cute.arch.sync_threads()
+
+
+# ------------------------------------------------------------------------------------------------
+# addressing helpers
+# ------------------------------------------------------------------------------------------------
+@cute.jit
+def _vec(ptr: cute.Pointer, off, n: cutlass.Constexpr) -> cute.Tensor:
+    """``(n,)`` contiguous elements at ``ptr + off``, ``off`` a multiple of ``n`` (16-byte accesses)."""
+    return cute.make_tensor(ptr + cute.assume(off, divby=n), cute.make_layout(n))
+
+
+@cute.jit
+def _swizzled_offset(layout: cute.ComposedLayout, coord) -> cutlass.Int32:
+    """Element offset of ``coord`` in a 128-byte-swizzled 16-bit tile (S<3,4,3> on byte addresses).
+
+    The swizzle permutes 16-byte chunks inside each 128-byte row, so 8 consecutive elements starting at a
+    multiple of 8 stay one contiguous, 16-byte-aligned vector.
+    """
+    lin = cute.crd2idx(coord, layout.outer) * 2
+    return (lin ^ (((lin >> 7) & 7) << 4)) // 2
+
+
+@cute.jit
+def _st8(layout: cute.ComposedLayout, base: cute.Pointer, coord, vals: cute.Tensor):
+    """Store 8 bf16 values (one st.shared.v4) at ``coord`` of a swizzled tile and the 7 elements after
+    it along the tile's contiguous mode; ``base`` is the tile's unswizzled start."""
+    off = _swizzled_offset(layout, coord)
+    cute.make_tensor(base + cute.assume(off, divby=8), cute.make_layout(8)).store(vals.load())
+
+
+@cute.jit
+def _ld8(layout: cute.ComposedLayout, base: cute.Pointer, coord, out: cute.Tensor):
+    """Load 8 bf16 values at ``coord`` of a swizzled tile (and the 7 after it) into ``out``."""
+    off = _swizzled_offset(layout, coord)
+    out.store(cute.make_tensor(base + cute.assume(off, divby=8), cute.make_layout(8)).load())
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU compile targets
+# ------------------------------------------------------------------------------------------------
+def _compile_without_driver() -> None:
+    """The 2-CTA launch bound makes the DSL query the device's shared memory per SM at compile time;
+    without a GPU (the CPU PTX check) answer it with the H200's value."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from cutlass.base_dsl.runtime import cuda as dsl_cuda
+
+    dsl_cuda.get_device_attribute = lambda attribute, device_id=0: SMEM_PER_SM
+
+
+def compile_targets():
+    """CPU PTX-check targets: the suite's flag set (bf16 and fp32 gate inputs) and a plain one."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    from cula.kernels.sm90.kda_fwd_intra import fake_args
+
+    def build(g_dtype, **flags):
+        def make():
+            _compile_without_driver()
+            return KdaFwdIntraTC(**flags), (*fake_args(cutlass.BFloat16, g_dtype, g_dtype), make_fake_stream())
+        return make
+
+    full = dict(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
+                allow_neg_eigval=False, group=1)
+    return {
+        "default": build(cutlass.BFloat16, **full),
+        "fp32_gate": build(cutlass.Float32, **full),
+        "plain_gva": build(cutlass.BFloat16, **{**full, "use_qk_l2norm": False, "has_a_log": False,
+                                                 "has_dt_bias": False, "use_beta_sigmoid": False,
+                                                 "allow_neg_eigval": True, "group": 2}),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# torch model of the kernel (same factorisation, inverse steps and bf16 rounding points)
+# ------------------------------------------------------------------------------------------------
+def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=None,
+            use_qk_l2norm=False, use_beta_sigmoid=False, allow_neg_eigval=False):
+    """The stage-1 scratch exactly as this kernel forms it, in torch (CPU or GPU).
+
+    ``q, k: [TT, H, 128]``, ``v, g: [TT, HV, 128]``, ``beta: [TT, HV]`` (flattened tokens), ``chunks``
+    the ``[NC, 2]`` table of ``kda_fwd.chunk_tables``. Returns the dict of ``kda_fwd.emulate_stages``
+    (w, u, qg, aqk, kgt in bf16; gam fp32). It exists to test the algorithm (reference factors, block
+    inverse, where bf16 rounding happens) on a CPU against the exact emulation; the GPU check compares
+    the kernel with ``kda_fwd.emulate_stages`` directly.
+    """
+    import torch
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    HV, H = v.shape[1], q.shape[1]
+    G = HV // H
+    NC = chunks.shape[0]
+    dev = q.device
+    rows = torch.arange(CHUNK, device=dev)
+    keep = rows[None] < chunks[:, 1:].long()  # [NC, 64]
+    idx = chunks[:, :1].long() + torch.minimum(rows[None], chunks[:, 1:].long() - 1)
+    kf = keep[:, None, :, None].to(f32)
+
+    def gather(x, heads_from):  # [TT, h, D] -> [NC, HV, 64, D] (q/k heads repeated over the group)
+        x = x[idx].transpose(1, 2).to(f32)  # [NC, h, 64, D]
+        return x.repeat_interleave(G, 1) if heads_from == "q" else x
+
+    qc, kc = gather(q, "q") * kf, gather(k, "q") * kf
+    vc, gc = gather(v, "v") * kf, gather(g, "v")
+    a_exp = torch.ones(HV, device=dev) if A_log is None else A_log.float().exp()
+    dtb = torch.zeros(HV, DK, device=dev) if dt_bias is None else dt_bias.float().reshape(HV, DK)
+    z = a_exp[None, :, None, None] * (gc + dtb[None, :, None, :])
+    gv = lower_bound * RCP_LN2 / (1 + torch.exp(-z)) * kf
+    gam = gv.cumsum(2)  # Γ [NC, HV, 64, K]
+    bc = beta[idx].transpose(1, 2).to(f32)  # [NC, HV, 64]
+    if use_beta_sigmoid:
+        bc = (2.0 if allow_neg_eigval else 1.0) * torch.sigmoid(bc)
+    bc = bc * keep[:, None].to(f32)
+    nq = torch.full_like(qc[..., :1], scale)
+    nk = torch.ones_like(kc[..., :1])
+    if use_qk_l2norm:
+        nq = scale * torch.rsqrt((qc * qc).sum(-1, keepdim=True) + L2NORM_EPS)
+        nk = torch.rsqrt((kc * kc).sum(-1, keepdim=True) + L2NORM_EPS)
+    qs, ks = qc * nq, kc * nk
+    shift = -7.5 * RCP_LN2 * lower_bound
+    blk_first = gam[:, :, ::SUB]  # Γ at rows 16 I: [NC, HV, 4, K]
+    blk_last = gam[:, :, SUB - 1::SUB]  # E_I
+    cref = (blk_first - shift).repeat_interleave(SUB, 2)
+    eref = blk_last.repeat_interleave(SUB, 2)
+    last = gam[:, :, -1:]
+    fb = torch.exp2(cref - gam)
+    ka = (ks * torch.exp2(gam - cref)).to(bf16)
+    qa = (qs * torch.exp2(gam - cref)).to(bf16)
+    kt = (ks * fb).to(bf16)
+    kh_f = ks * fb * torch.exp2(eref - cref)
+    kh = kh_f.to(bf16)
+    xx = (ks * torch.exp2(gam)).to(bf16)
+    qg = (qs * torch.exp2(gam)).to(bf16)
+    kg = (kh_f * torch.exp2(last - eref)).to(bf16)
+    akk_d = ka.float() @ kt.float().transpose(-1, -2)
+    aqk_d = qa.float() @ kt.float().transpose(-1, -2)
+    akk = torch.zeros_like(akk_d)
+    aqk = torch.zeros_like(aqk_d)
+    ii = rows[:, None]
+    jj = rows[None, :]
+    same = (ii // SUB) == (jj // SUB)
+    akk = torch.where(same & (jj < ii), akk_d, akk)
+    aqk = torch.where(same & (jj <= ii), aqk_d, aqk)
+    for ib, jb in PAIRS:
+        c_ij = torch.exp2(blk_first[:, :, ib] - shift - blk_last[:, :, jb])  # [NC, HV, K]
+        r = slice(ib * SUB, (ib + 1) * SUB)
+        cs = slice(jb * SUB, (jb + 1) * SUB)
+        a_k = (ka[:, :, r].float() * c_ij[:, :, None]).to(bf16).float()
+        a_q = (qa[:, :, r].float() * c_ij[:, :, None]).to(bf16).float()
+        akk[:, :, r, cs] = a_k @ kh[:, :, cs].float().transpose(-1, -2)
+        aqk[:, :, r, cs] = a_q @ kh[:, :, cs].float().transpose(-1, -2)
+    akk = akk * bc[..., :, None]
+    t = _invert_blocked(akk)
+    tp = (t * bc[..., None, :]).to(bf16).float()
+    w = (tp @ xx.float()).to(bf16)
+    u = (tp @ vc.to(bf16).float()).to(bf16)
+
+    def rows_of(x):  # [NC, HV, 64, D] -> [HV, NC*64, D]
+        return x.permute(1, 0, 2, 3).reshape(HV, NC * CHUNK, x.shape[-1])
+
+    return dict(w=rows_of(w), u=rows_of(u), qg=rows_of(qg), aqk=rows_of(aqk.to(bf16)),
+                kgt=rows_of(kg).transpose(1, 2), gam=torch.exp2(last[:, :, 0]).permute(1, 0, 2))
+
+
+def _invert_blocked(a):
+    """(I + a)^-1 for strictly lower ``a [..., 64, 64]`` by the kernel's steps (fp32)."""
+    import torch
+
+    t = torch.zeros_like(a)
+    eye = torch.eye(SUB, dtype=a.dtype, device=a.device)
+    for b in range(NBLK):
+        s = slice(b * SUB, (b + 1) * SUB)
+        t[..., s, s] = torch.linalg.solve_triangular(eye + a[..., s, s], eye.expand_as(a[..., s, s]),
+                                                     upper=False, unitriangular=True)
+    for ib, jb in ((1, 0), (3, 2)):
+        ri, rj = slice(ib * SUB, (ib + 1) * SUB), slice(jb * SUB, (jb + 1) * SUB)
+        t[..., ri, rj] = -t[..., ri, ri] @ (a[..., ri, rj] @ t[..., rj, rj])
+    lo, hi = slice(0, 2 * SUB), slice(2 * SUB, CHUNK)
+    t[..., hi, lo] = -t[..., hi, hi] @ (a[..., hi, lo] @ t[..., lo, lo])
+    return t
+
+
+# ------------------------------------------------------------------------------------------------
+# layout facts the kernel relies on (checked on the CPU by the tests)
+# ------------------------------------------------------------------------------------------------
+def layout_facts() -> dict:
+    """Trace the DSL's layouts (no GPU) and report the facts the kernel's hand-made addressing assumes."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from cutlass.base_dsl.compiler import Compiler
+
+    Compiler._check_cuda_dependencies_once = lambda *a, **k: None
+    kmode, mnmode = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+    kmaj, mnmaj = utils.LayoutEnum.ROW_MAJOR, utils.LayoutEnum.COL_MAJOR
+    facts: dict = {}
+
+    def coord(t, lay):
+        return tuple(int(x) for x in lay(cute.idx2crd(t, lay.shape)))
+
+    @cute.jit(preprocess=False)  # plain Python control flow: everything here is static
+    def trace():
+        diag = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, kmode, F32, (1, 1, 1), (CHUNK, CHUNK))
+        off = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, kmode, F32, (1, 1, 1), (CHUNK, SUB),
+                                                warpgroup.OperandSource.RMEM)
+        wu = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, mnmode, F32, (1, 1, 1), (CHUNK, DK))
+        bad_combine = 0
+        bad_a = 0
+        for t in (0, 1, 5, 31, 37, 64, 99, 127):
+            c64 = diag.get_slice(t).partition_C(cute.make_identity_tensor((CHUNK, CHUNK))).layout
+            c16 = off.get_slice(t).partition_C(cute.make_identity_tensor((CHUNK, SUB))).layout
+            per = cute.size(c64) // NBLK
+            for e in range(cute.size(c64)):
+                i, j = coord(e, c64)
+                i2, j2 = coord(e % per, c16)
+                bad_combine += int((i, j) != (i2, j2 + SUB * (e // per)))
+            # RS A registers: the k-th register of the A operand holds the element the kernel writes
+            # there through the C fragment coordinates of the m64n128 product
+            a_ref = off.get_slice(t).partition_A(cute.make_identity_tensor((CHUNK, DK))).layout
+            c128 = wu.get_slice(t).partition_C(cute.make_identity_tensor((CHUNK, DK))).layout
+            a_regs = a_operand_layout(cute.make_layout(wu.get_slice(t).partition_shape_C((CHUNK, DK))))
+            for p in range(cute.size(a_regs)):
+                bad_a += int(coord(p, a_ref) != coord(int(a_regs(cute.idx2crd(p, a_regs.shape))), c128))
+            # consecutive register pairs (e, e + 1) are adjacent columns of one row (4-byte A loads)
+            for e in range(0, cute.size(c128), 2):
+                (ia, da), (ib, db) = coord(e, c128), coord(e + 1, c128)
+                bad_a += int(ia != ib or db != da + 1 or da % 2)
+        facts["combine_mismatches"] = bad_combine
+        facts["a_register_mismatches"] = bad_a
+        a_l = sm90_utils.make_smem_layout_a(kmaj, (CHUNK, CHUNK, DK), BF16, 1)
+        x_l = sm90_utils.make_smem_layout_b(mnmaj, (CHUNK, DV, CHUNK), BF16, 1)
+        w_l = sm90_utils.make_smem_layout_b(kmaj, (CHUNK, CHUNK, DK), BF16, 1)
+        facts["x_is_a_transposed"] = all(
+            int(cute.crd2idx((d, r, 0), x_l.outer)) == int(cute.crd2idx((r, d, 0), a_l.outer))
+            for r in range(CHUNK) for d in range(0, DK, 8))
+        facts["w_staging_is_a"] = str(w_l) == str(a_l)
+        for name, lay in (("a", a_l), ("x", x_l), ("w", w_l),
+                          ("kh", sm90_utils.make_smem_layout_b(kmaj, (CHUNK, SUB, DK), BF16, NBLK - 1)),
+                          ("tb", sm90_utils.make_smem_layout_a(kmaj, (CHUNK, DV, CHUNK), BF16, 1)),
+                          ("aqk", sm90_utils.make_smem_layout_b(kmaj, (CHUNK, CHUNK, CHUNK), BF16, 1))):
+            facts[f"swizzle_{name}"] = str(lay.inner)
+
+    try:
+        cute.compile(trace)
+    except Exception:
+        if not facts:  # failed while tracing, not at the (expected) JIT load without a driver
+            raise
+    return facts
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if "--layout-facts" in sys.argv:  # run with CUTE_DSL_ARCH=sm_90a set before Python starts
+        print(json.dumps(layout_facts()))
+    else:
+        print(__doc__)
