@@ -280,18 +280,38 @@ class KdaFwdIntraTC:
         xv = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         xg = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         obf = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
+        # every global load of the chunk is issued before the first use: 32 independent 16-byte loads
+        # per thread in flight instead of one row's 4 at a time (rows past the end read the chunk's
+        # last valid row, in bounds and this sequence's own data, and are zeroed by `keep` below)
+        rows8 = cute.make_layout((ROWS_PER_THREAD, COLS_PER_THREAD), stride=(COLS_PER_THREAD, 1))
+        raw_q = cute.make_rmem_tensor(rows8, BF16)
+        raw_k = cute.make_rmem_tensor(rows8, BF16)
+        raw_v = cute.make_rmem_tensor(rows8, BF16)
+        raw_g = cute.make_rmem_tensor(rows8, pG.dtype)
+        for rr in cutlass.range_constexpr(ROWS_PER_THREAD):
+            tok = tok0 + cutlass.min(r0 + rr, nvalid - 1)
+            raw_q[rr, None].store(_vec(pQ, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
+            raw_k[rr, None].store(_vec(pK, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
+            raw_v[rr, None].store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load())
+            raw_g[rr, None].store(_vec(pG, (tok * HV + hv) * DK + d0, COLS_PER_THREAD).load())
+        if tidx < CHUNK:
+            keep_b = F32(1.0)
+            if tidx >= nvalid:
+                keep_b = F32(0.0)
+            tb = tok0 + cutlass.min(tidx, nvalid - 1)
+            bv = cute.make_tensor(pBeta, cute.make_layout((tb + 1) * HV))[tb * HV + hv].to(F32)
+            if cutlass.const_expr(self.use_beta_sigmoid):
+                bv = F32(self.beta_mult) / (F32(1.0) + cute.math.exp(-bv, fastmath=True))
+            sBeta[tidx] = bv * keep_b
         for rr in cutlass.range_constexpr(ROWS_PER_THREAD):
             r = r0 + rr
-            # rows past the end read the chunk's last valid row (in bounds, this sequence's own
-            # data) and are zeroed by `keep`
             keep = F32(1.0)
             if r >= nvalid:
                 keep = F32(0.0)
-            tok = tok0 + cutlass.min(r, nvalid - 1)
-            xq.store(_vec(pQ, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load().to(F32) * keep)
-            xk.store(_vec(pK, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load().to(F32) * keep)
-            xv.store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load().to(F32) * keep)
-            xg.store(_vec(pG, (tok * HV + hv) * DK + d0, COLS_PER_THREAD).load().to(F32))
+            xq.store(raw_q[rr, None].load().to(F32) * keep)
+            xk.store(raw_k[rr, None].load().to(F32) * keep)
+            xv.store(raw_v[rr, None].load().to(F32) * keep)
+            xg.store(raw_g[rr, None].load().to(F32))
             # raw q, k, v to their tiles (q and k are rewritten in place in phase 2)
             obf.store(xq.load().to(BF16))
             _st8(a_layout, qa_raw, (r, d0, 0), obf)
@@ -306,7 +326,7 @@ class KdaFwdIntraTC:
                 sk = sk + xk[c] * xk[c]
                 # lower-bounded gate, in log2 units: lb * sigmoid(a (g + dt_bias)) / ln 2
                 z = a_exp * (xg[c] + dtb[c])
-                gv = lower_bound * F32(RCP_LN2) / (F32(1.0) + cute.math.exp(-z, fastmath=True))
+                gv = lower_bound * F32(RCP_LN2) * cute.arch.rcp_approx(F32(1.0) + cute.math.exp(-z, fastmath=True))
                 prev = F32(0.0)
                 if cutlass.const_expr(rr > 0):
                     prev = gl[rr - 1, c]
@@ -321,15 +341,6 @@ class KdaFwdIntraTC:
             sTot[grp, d0 + c] = gl[ROWS_PER_THREAD - 1, c]
             if grp % 2 == 0:
                 sFirst[grp // 2, d0 + c] = gl[0, c]
-        if tidx < CHUNK:
-            keep_b = F32(1.0)
-            if tidx >= nvalid:
-                keep_b = F32(0.0)
-            tb = tok0 + cutlass.min(tidx, nvalid - 1)
-            bv = cute.make_tensor(pBeta, cute.make_layout((tb + 1) * HV))[tb * HV + hv].to(F32)
-            if cutlass.const_expr(self.use_beta_sigmoid):
-                bv = F32(self.beta_mult) / (F32(1.0) + cute.math.exp(-bv, fastmath=True))
-            sBeta[tidx] = bv * keep_b
         cute.arch.sync_threads()
 
         # ============================================ phase 2: reference factors and operand tiles

@@ -1,0 +1,38 @@
+"""One KDA forward call with the `kda` suite's flags, for a profiler to attach to (no timing loop).
+
+    ncu --clock-control none -k regex:<kernel name part> --launch-count 1 \\
+        python3 -m cula.kernels.sm90.kda_fwd_profile [--B 1] [--T 4096] [--H 64] [--stage intra|recur|both]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--T", type=int, default=4096)
+    ap.add_argument("--H", type=int, default=64)
+    ap.add_argument("--stage", default="both", choices=("intra", "recur", "both"))
+    a = ap.parse_args()
+    from cula.kernels.sm90.kda_fwd import kda_fwd
+
+    dev = torch.device("cuda")
+    B, T, H = a.B, a.T, a.H
+    q, k, v, g = (torch.randn(B, T, H, 128, device=dev, dtype=torch.bfloat16) for _ in range(4))
+    beta = torch.randn(B, T, H, device=dev, dtype=torch.bfloat16)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              A_log=torch.randn(H, device=dev), dt_bias=torch.randn(H * 128, device=dev) * 0.1,
+              lower_bound=-5.0, safe_gate=True, initial_state=torch.zeros(B, H, 128, 128, device=dev),
+              output_final_state=True)
+    stages = ("intra", "recur") if a.stage == "both" else (a.stage,)
+    for _ in range(2):
+        kda_fwd(q, k, v, g, beta, **kw, stages=stages)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
