@@ -85,7 +85,9 @@ def test_supports_reports_not_validated_on_cpu():
 
 @pytest.mark.parametrize("target,needs_wgmma", [("intra", False), ("intra_blocked_inverse", False), ("intra_v2", False),
                                                ("intra_v2_blocked_inverse", False), ("recur", True),
-                                               ("recur_v_first", True), ("intra_tc", True),
+                                               ("recur_v_first", True), ("recur_v2", True),
+                                               ("recur_v2_v_first", True), ("recur_v2_no_state", True),
+                                               ("intra_tc", True),
                                                ("intra_tc_fp32_gate", True), ("intra_tc_plain_gva", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
@@ -100,6 +102,15 @@ def test_ptx_compiles_clean(target, needs_wgmma):
     if needs_wgmma and target.startswith("recur"):
         assert rep.count("wgmma.mma_async") >= 20  # 8 + 8 + 4 (n64) and 4 (n128) per chunk
         assert rep.has("cp.async.bulk.tensor")
+    if target.startswith("recur_v2"):
+        # one chunk's code: 8 + 8 + 4 m64n64k16 and 4 m64n128k16, A from registers (no A descriptors)
+        assert rep.count("wgmma.mma_async") == 24 and rep.count("m64n128k16") == 4
+        assert rep.count("cp.async.bulk.tensor") == 8  # w, qg (two 128-byte boxes each), u, γ, kgᵀ, Aqk
+        # ptxas did not have to serialise any wgmma (registers of one in flight read too early)
+        assert "C7517" not in rep.ptxas_log and "serialized" not in rep.ptxas_log
+        assert rep.count("bar.sync") == 1  # the mbarrier-init barrier only: no CTA barrier per chunk
+        assert rep.count("st.global.v4") >= 4 and rep.count("ld.shared.v4") >= 4  # o as 16-byte rows
+        assert rep.count("ld.shared.v2.f32") >= 16  # γ from the stage (pairs of k)
     if target.startswith("intra_tc"):
         # 2 x 8 diagonal (m64n64) + 3 x 2 x 8 off-diagonal (m64n16, A from registers) + 2 x 4 (m64n128)
         assert rep.count("wgmma.mma_async") == 72
@@ -124,6 +135,40 @@ def test_tc_layout_facts():
     assert facts["a_register_mismatches"] == 0
     assert facts["x_is_a_transposed"] and facts["w_staging_is_a"]
     assert {v for k, v in facts.items() if k.startswith("swizzle_")} == {"S<3,4,3>"}
+
+
+def test_recur_v2_layout_facts():
+    """What v2 relies on, from the DSL's own layouts: the bf16 Sᵀ / v_newᵀ registers are the RS products'
+    A operands element for element, each warp's accumulator rows are its 16 v (its o staging tile,
+    covered exactly once), and the u / o shared-memory accesses are free of bank conflicts."""
+    pytest.importorskip("cutlass")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "cula.kernels.sm90.kda_fwd_recur", "--layout-facts"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"})
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert facts["a_register_mismatches"] == 0
+    assert facts["warp_row_mismatches"] == 0 and facts["o_staging_exact_cover"]
+    assert facts["u_read_conflicts"] == facts["o_write_conflicts"] == facts["o_read_conflicts"] == 0
+    assert facts["swizzle_t64"] == "S<3,4,3>" and facts["u_tile_is_aqk_tile"]
+
+
+def test_recur_variant_selector(monkeypatch):
+    """kda_fwd builds KdaFwdRecur without naming a body: the module constant picks it at construction."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.sm90 import kda_fwd_recur as kr
+
+    flags = dict(has_initial_state=True, output_final_state=True, state_v_first=False)
+    assert kr.RECUR_VARIANT in kr.VARIANTS
+    monkeypatch.setattr(kr, "RECUR_VARIANT", "v2")
+    assert kr.KdaFwdRecur(**flags).variant == "v2"
+    assert kr.KdaFwdRecur(**flags, variant="v1").variant == "v1"
+    monkeypatch.setattr(kr, "RECUR_VARIANT", "v9")
+    with pytest.raises(ValueError):
+        kr.KdaFwdRecur(**flags)
 
 
 TC_CASES = [
@@ -182,6 +227,52 @@ def test_gpu_kernel_matches_reference(case):
         chunk_kda = None
     ok, errs = chk.check_case(case, torch.device("cuda"), chunk_kda)
     assert ok, errs
+
+
+RECUR_CASES = ["T1", "T15-l2-gate", "T65-gva-vfirst", "T1000-all", "varlen-zero", "varlen-33"]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", RECUR_CASES)
+@pytest.mark.parametrize("with_state", [True, False], ids=["state", "no-state"])
+def test_gpu_recur_v2_matches_v1(name, with_state):
+    """Stage 2 alone, v2 against v1 on the same scratch (the exact emulation of stage 1 in the kernels'
+    dtypes, so no stage-1 compile): the same products in the same order on the same bf16 values, so
+    equal to fp32 rounding (expected bitwise); both within bf16 error of the fp64 recurrence on that
+    scratch; v2 deterministic."""
+    from cula.kernels.sm90 import kda_fwd_check as chk
+    from cula.kernels.sm90 import kda_fwd_recur as kr
+
+    dev = torch.device("cuda")
+    case = next(c for c in chk.CASES if c[0] == name)
+    args, kw = chk._inputs(*case, dev=dev)
+    B, T = args[0].shape[:2]
+    _, _, exact = kda_fwd.emulate_stages(*args, **kw, dtype=torch.float64)
+    scratch = {n: exact[n].to(torch.float32 if n == "gam" else torch.bfloat16) for n in exact}
+    cu = kw["cu_seqlens"] if kw["cu_seqlens"] is not None else torch.arange(B + 1, device=dev) * T
+    chunks, seqs, _ = kda_fwd.chunk_tables(cu)
+    h0 = kw["initial_state"] if with_state else None
+    v_first = kw.get("state_v_first", False)
+    outs = {v: kr.run(scratch, chunks, seqs, B * T, h0, with_state, v_first, variant=v) for v in ("v1", "v2")}
+    again = kr.run(scratch, chunks, seqs, B * T, h0, with_state, v_first, variant="v2")
+    torch.cuda.synchronize()
+    o_ref, ht_ref = kda_fwd.emulate_recurrence(scratch, chunks, seqs, B * T, h0, with_state, v_first, torch.float64)
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+    (o1, ht1), (o2, ht2) = outs["v1"], outs["v2"]
+    errs = dict(o_v2_v1=rel(o2, o1), o_v1_ref=rel(o1, o_ref), o_v2_ref=rel(o2, o_ref),
+                bitwise=torch.equal(o1, o2) and (not with_state or torch.equal(ht1, ht2)))
+    if with_state:
+        errs.update(ht_v2_v1=rel(ht2, ht1), ht_v2_ref=rel(ht2, ht_ref))
+    print(name, errs)
+    assert errs["o_v2_v1"] < 1e-5 and errs["o_v2_ref"] < chk.TOL_O, errs
+    assert torch.equal(again[0], o2), "v2 is not deterministic"
+    if with_state:
+        assert errs["ht_v2_v1"] < 1e-5 and errs["ht_v2_ref"] < chk.TOL_O, errs
+        assert torch.equal(again[1], ht2)
 
 
 @pytest.mark.parametrize("B, T", [(1, 1), (2, 63), (3, 64), (2, 65), (1, 1000)])

@@ -188,6 +188,11 @@ def main(argv: list[str]) -> int:
 
         kf.INTRA_VARIANT = argv[argv.index("--variant") + 1]
         print(f"stage 1 variant: {kf.INTRA_VARIANT}", flush=True)
+    if "--recur-variant" in argv:  # stage 2's other kernel body (kda_fwd_recur.VARIANTS)
+        from cula.kernels.sm90 import kda_fwd_recur as kr
+
+        kr.RECUR_VARIANT = argv[argv.index("--recur-variant") + 1]
+        print(f"stage 2 variant: {kr.RECUR_VARIANT}", flush=True)
     if "--no-tc" in argv:  # stage 1 on the SIMT kernel for every input (kda_fwd.INTRA_TC off)
         from cula.kernels.sm90 import kda_fwd as kf
 
