@@ -235,7 +235,7 @@ RECUR_CASES = ["T1", "T15-l2-gate", "T65-gva-vfirst", "T1000-all", "varlen-zero"
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("name", RECUR_CASES)
-@pytest.mark.parametrize("with_state", [True, False], ids=["state", "no-state"])
+@pytest.mark.parametrize("with_state", [True, False], ids=["state", "nostate"])
 def test_gpu_recur_v2_matches_v1(name, with_state):
     """Stage 2 alone, v2 against v1 on the same scratch (the exact emulation of stage 1 in the kernels'
     dtypes, so no stage-1 compile): the same products in the same order on the same bf16 values, so
