@@ -44,7 +44,7 @@ THREADS = 128  # v1: one warpgroup does everything, thread 0 also issues the TMA
 # "v1" is the validated one; "v2" awaits its GPU check
 # (python -m cula.kernels.sm90.kda_fwd --check --recur-variant v2), then becomes the default.
 VARIANTS = ("v1", "v2")
-RECUR_VARIANT = "v1"
+RECUR_VARIANT = __import__("os").environ.get("CULA_KDA_RECUR_VARIANT", "v1")  # env: A/B runs on a GPU
 
 # ---- v2
 # One CTA per SM either way (v1 ~145 KB): the B1 H64 grid is 128 CTAs for 132 SMs, so the depth goes
