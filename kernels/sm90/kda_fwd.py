@@ -25,10 +25,10 @@ CHUNK = 64
 HEAD_DIM = 128
 # Flipped to True only once the GPU tests in tests/test_kernel_kda_fwd.py pass on the device.
 GPU_VALIDATED = True
-# Correct, but slower than FLA: dispatch keeps FLA unless CULA_KERNELS=kda_fwd. Cleared when the
-# `kda` suite shows this kernel ahead (run 20261202-172916-h200-510df0f-4304: 0.25-0.36x of FLA from
-# T=4096 up, geomean 0.44x fixed / 0.29x varlen; the SIMT intra-chunk stage takes ~85% of the time,
-# see kda_fwd.md).
+# Dispatch takes this kernel by default since the `kda` suite run 20261203-070755-h200-4aa088a-2790
+# (tensor-core stage 1 + recurrence v2): geomean 2.21x FLA fixed-length eager (1.79x CUDA graph),
+# 1.12x varlen eager; B2 T16384 3.59 ms vs FLA 7.07 ms. (Before: run 20261202-172916-h200-510df0f-4304,
+# SIMT stage 1 + recurrence v1, 0.44x fixed / 0.29x varlen, when it was off.)
 # Stage 1's way of inverting I + Akk (kda_fwd_intra.INVERSES): "column" is the validated one;
 # "blocked" passed the CPU emulation of the kernel source and awaits its GPU check
 # (python -m cula.kernels.sm90.kda_fwd --check --inverse blocked).
@@ -42,7 +42,7 @@ INTRA_VARIANT = "v1"
 # I + Akk can be ill-conditioned enough that the bf16 T' of the w/u products, FLA's choice too, loses
 # accuracy the SIMT kernel's fp32 T keeps). Everything else takes the SIMT stage 1 above.
 INTRA_TC = True
-DISPATCH_OFF: str | None = "cula-sm90 kda_fwd: correct but measured slower than FLA 0.6.0 on H200 (0.25-0.36x from T=4096)"
+DISPATCH_OFF: str | None = None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -41,10 +41,13 @@ STAGES = 2  # v1's TMA ring (56 KB a stage: w, qg, Aqk, kgᵀ)
 THREADS = 128  # v1: one warpgroup does everything, thread 0 also issues the TMA loads
 
 # Which kernel body KdaFwdRecur builds (read when the object is made; kda_fwd builds one per compile).
-# "v1" is the validated one; "v2" awaits its GPU check
-# (python -m cula.kernels.sm90.kda_fwd --check --recur-variant v2), then becomes the default.
+# "v2" is the default since 2026-12-03: on the H200 it gave o and the final state bitwise equal to v1's
+# at B1/B2 T16384 and B8 T4096 H64 and ran 4.2x faster (B1 T16384: 1.520 -> 0.361 ms, 4.1 TB/s of
+# scratch traffic; `kda_fwd_recur --bench`), and the `kda` suite run 20261203-070755-h200-4aa088a-2790
+# used it. Its V-first, no-state and zero-length-segment paths have run only on the CPU so far
+# (tests/test_kernel_kda_fwd.py -k gpu_recur_v2 is the GPU test to run). v1 stays for A/B runs.
 VARIANTS = ("v1", "v2")
-RECUR_VARIANT = __import__("os").environ.get("CULA_KDA_RECUR_VARIANT", "v1")  # env: A/B runs on a GPU
+RECUR_VARIANT = __import__("os").environ.get("CULA_KDA_RECUR_VARIANT", "v2")  # env: A/B runs on a GPU
 
 # ---- v2
 # One CTA per SM either way (v1 ~145 KB): the B1 H64 grid is 128 CTAs for 132 SMs, so the depth goes
