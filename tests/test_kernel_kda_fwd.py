@@ -284,3 +284,89 @@ def test_fixed_length_tables_equal_the_general_ones_and_are_cached(B, T):
     assert nc == ref_nc == B * -(-T // 64)
     assert torch.equal(chunks, ref_chunks) and torch.equal(seqs, ref_seqs)
     assert fixed_length_tables(B, T, "cpu")[0] is chunks  # no per-call rebuild (and no host sync)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_varlen_tables_without_sync_cover_the_exact_ones(seed):
+    """varlen_tables (bounded chunk count, built without a host sync) holds chunk_tables' rows first and
+    only dummies (token 0, one row) after them; the per-sequence table is identical."""
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 40, (1,), generator=gen))
+    lens = torch.randint(0, 200, (n,), generator=gen)
+    lens[torch.randint(0, n, (max(n // 4, 1),), generator=gen)] = 0  # empty segments
+    lens[0] = 64 if seed % 2 else 1  # exactly one chunk / one token
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    if cu[-1] == 0:
+        cu[-1] = lens[-1] = 5
+    cu32 = cu.to(torch.int32)
+    chunks, seqs, nc = kda_fwd.chunk_tables(cu)
+    b_chunks, b_seqs, nc_max = kda_fwd.varlen_tables(cu32, int(cu[-1]))
+    assert nc_max == int(cu[-1]) // 64 + n and nc_max >= nc
+    assert torch.equal(b_seqs, seqs)
+    assert torch.equal(b_chunks[:nc], chunks)
+    assert (b_chunks[nc:, 0] == 0).all() and (b_chunks[nc:, 1] == 1).all()
+    assert kda_fwd.varlen_tables(cu32, int(cu[-1]))[0] is b_chunks  # cached per tensor ...
+    cu32[1:] = cu32[1:]  # ... until it is written in place
+    assert kda_fwd.varlen_tables(cu32, int(cu[-1]))[0] is not b_chunks
+
+
+def test_launch_specs_match_the_compiled_signatures():
+    """The fast launcher packs plain values by these specs; they must be the types and alignments the
+    kernels are compiled with (the fake arguments), in the same order."""
+    pytest.importorskip("cutlass")
+    import cutlass
+
+    from cula.kernels.sm90 import kda_fwd_intra, kda_fwd_recur
+
+    def kinds(args):
+        out = []
+        for a in args:
+            if hasattr(a, "memspace"):  # a runtime pointer
+                out.append(("ptr", a.dtype, a._assumed_align))
+            else:
+                out.append(({cutlass.Int32: "i32", cutlass.Float32: "f32"}[type(a)],))
+        return out
+
+    def spec_kinds(specs):
+        return [(s.kind, s.dtype, s.align) if s.kind == "ptr" else (s.kind,) for s in specs if s.kind != "stream"]
+
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    for dts in ((bf16, bf16, bf16), (bf16, f32, f32)):
+        assert spec_kinds(kda_fwd._intra_specs(*dts)) == kinds(kda_fwd_intra.fake_args(*dts))
+    assert spec_kinds(kda_fwd._recur_specs(bf16)) == kinds(kda_fwd_recur.fake_args(bf16))
+    assert kda_fwd._intra_specs(bf16, bf16, bf16)[-1].kind == kda_fwd._recur_specs(bf16)[-1].kind == "stream"
+
+
+@pytest.mark.parametrize("cu", [None, [0, 0, 1, 64, 65, 200]])
+@pytest.mark.parametrize("tc", [True, False])
+def test_host_path_passes_one_value_per_spec(monkeypatch, cu, tc):
+    """kda_fwd's host path (no GPU: launches recorded) hands each compiled kernel one plain value per
+    argument spec, of the spec's kind, with the sizes the scratch was allocated for."""
+    pytest.importorskip("cutlass")
+    import cula.kernels.common.fast_launch as fl
+
+    calls = []
+
+    def fake_launcher(kind, key, make_kernel, specs):
+        def launch(*values):
+            calls.append((kind, specs, values))
+        return launch
+
+    monkeypatch.setattr(kda_fwd, "_launcher", fake_launcher)
+    monkeypatch.setattr(fl, "current_stream_handle", lambda index: 1234)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    flags = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=tc, use_beta_sigmoid_in_kernel=True,
+                 lower_bound=-5.0, safe_gate=True)
+    B, T = (1, 200) if cu is not None else (2, 70)
+    args, kw = _case(B, T, 2, 2, cu, seed=1, **flags)
+    args = tuple(x.bfloat16() for x in args)
+    kda_fwd.kda_fwd(*args, **kw)
+    assert [c[0] for c in calls] == ["intra_tc" if tc else "intra", "recur"]
+    nc = calls[0][2][17]
+    assert calls[1][2][13] == nc  # both kernels see the chunk count the scratch was sized for
+    if cu is not None:
+        assert nc == 200 // 64 + 5  # the sync-free bound
+    for kind, specs, values in calls:
+        assert len(values) == len(specs)
+        for spec, value in zip(specs, values):
+            assert isinstance(value, float if spec.kind == "f32" else int), (kind, spec)

@@ -16,7 +16,6 @@ references and time a few shapes.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Callable
 
 import torch
@@ -143,6 +142,60 @@ def fixed_length_tables(B: int, T: int, device) -> tuple[torch.Tensor, torch.Ten
         tables = (chunks.to(device), seqs.to(device), nc)
         _FIXED_TABLES[key] = tables
     return tables
+
+
+#: Sequence-sized tables of recent varlen calls: a model passes one cu_seqlens to every layer, so the
+#: tables are built once per tensor (kept alive here, so its address cannot be reused) and version.
+_VARLEN_TABLES: dict[int, tuple] = {}
+_VARLEN_CACHE_SIZE = 8
+
+
+def varlen_tables(cu_seqlens: torch.Tensor, total_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """:func:`chunk_tables` without a device-to-host copy: ``NC`` is the bound
+    ``total_tokens // 64 + N`` (no sequence has more than ``len // 64 + 1`` chunks), known from shapes.
+
+    Chunks past the real count are dummies ``(first token 0, 1 valid row)``: stage 1 computes them into
+    scratch rows nobody reads, and stage 2 only walks each sequence's own chunks (``seqs``). So a varlen
+    call needs no sync and can be captured in a CUDA graph. Needs ``total_tokens >= 1`` (a dummy reads
+    token 0). Built on ``cu_seqlens``' device with torch ops; cached per tensor and in-place version.
+    """
+    hit = _VARLEN_TABLES.get(id(cu_seqlens))
+    if hit is not None and hit[0] is cu_seqlens and hit[1] == cu_seqlens._version and hit[2] == total_tokens:
+        return hit[3]
+    cu = cu_seqlens.to(torch.int64)
+    n_seq = cu.numel() - 1
+    lens = cu[1:] - cu[:-1]
+    nch = (lens + CHUNK - 1) // CHUNK
+    ends = torch.cumsum(nch, 0)
+    first = ends - nch
+    nc_max = total_tokens // CHUNK + n_seq
+    c = torch.arange(nc_max, device=cu.device)
+    owner = torch.searchsorted(ends, c, right=True)  # the sequence whose chunk range holds c (N: none)
+    real = owner < n_seq
+    seq_c = owner.clamp(max=n_seq - 1)
+    tok0 = cu[:-1][seq_c] + CHUNK * (c - first[seq_c])
+    nvalid = torch.minimum(cu[1:][seq_c] - tok0, torch.full_like(tok0, CHUNK))
+    tok0 = torch.where(real, tok0, torch.zeros_like(tok0))
+    nvalid = torch.where(real, nvalid, torch.ones_like(nvalid))
+    chunks = torch.stack([tok0, nvalid], 1).to(torch.int32)
+    seqs = torch.stack([first, nch], 1).to(torch.int32)
+    tables = (chunks, seqs, nc_max)
+    if len(_VARLEN_TABLES) >= _VARLEN_CACHE_SIZE:
+        _VARLEN_TABLES.pop(next(iter(_VARLEN_TABLES)))
+    _VARLEN_TABLES[id(cu_seqlens)] = (cu_seqlens, cu_seqlens._version, total_tokens, tables)
+    return tables
+
+
+_DUMMY: dict[str, torch.Tensor] = {}
+
+
+def _dummy(device) -> torch.Tensor:
+    """A 16-byte-aligned fp32 buffer for pointer arguments a compiled flag set never dereferences."""
+    key = str(device)
+    t = _DUMMY.get(key)
+    if t is None:
+        t = _DUMMY[key] = torch.zeros(64, dtype=torch.float32, device=device)
+    return t
 
 
 def _flatten(q, k, v, g, beta, cu_seqlens):
@@ -282,18 +335,51 @@ def _ptr(t: torch.Tensor, align: int = 16):
     return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
-def _launch(kind: str, key: tuple, make_kernel: Callable, make_fake_args: Callable, args: tuple) -> None:
-    """Compile once per (kind, static key) against placeholder pointers and sizes, then call.
+#: Launch through kernels/common/fast_launch.Launcher: its first call per compiled kernel goes through the
+#: DSL's own path and compares the packed arguments byte for byte, then later calls skip the DSL's
+#: per-argument wrapping (tens of microseconds per kernel); any mismatch falls back with one warning.
+FAST_LAUNCH = True
+_LAUNCHERS: dict[tuple, object] = {}
 
-    The compiled host functions take only pointers and scalars, so one compile serves every shape.
-    """
-    import cutlass.cute as cute
 
-    fn = _COMPILED.get((kind, key))
-    if fn is None:
-        fn = cute.compile(make_kernel(), *make_fake_args())
-        _COMPILED[(kind, key)] = fn
-    fn(*args)
+def _intra_specs(q_dt, g_dt, beta_dt) -> tuple:
+    """Runtime arguments of both stage-1 kernels, as ``kda_fwd_intra.fake_args`` compiles them."""
+    import cutlass
+
+    from cula.kernels.common.fast_launch import ArgSpec
+
+    bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+    ptrs = [(q_dt, 16), (q_dt, 16), (q_dt, 16), (g_dt, 16), (beta_dt, 4), (f32, 4), (f32, 4), (i32, 8),
+            (bf16, 16), (bf16, 16), (bf16, 16), (bf16, 16), (bf16, 16), (f32, 16)]
+    return (*(ArgSpec("ptr", d, a) for d, a in ptrs), *(ArgSpec("i32") for _ in range(4)),
+            ArgSpec("f32"), ArgSpec("f32"), ArgSpec("stream"))
+
+
+def _recur_specs(o_dt) -> tuple:
+    """Runtime arguments of the recurrence kernel, as ``kda_fwd_recur.fake_args`` compiles them."""
+    import cutlass
+
+    from cula.kernels.common.fast_launch import ArgSpec
+
+    bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+    ptrs = [(bf16, 16)] * 5 + [(f32, 16), (i32, 8), (i32, 8), (o_dt, 16), (f32, 16), (f32, 16)]
+    return (*(ArgSpec("ptr", d, a) for d, a in ptrs), *(ArgSpec("i32") for _ in range(4)), ArgSpec("stream"))
+
+
+def _launcher(kind: str, key: tuple, make_kernel: Callable, specs: tuple):
+    """The compiled kernel of ``(kind, key)`` behind a Launcher (one compile per static flag set)."""
+    hit = _LAUNCHERS.get((kind, key))
+    if hit is None:
+        from cula.kernels.common.fast_launch import compile_launcher
+
+        hit = _LAUNCHERS[(kind, key)] = compile_launcher(make_kernel(), specs, fast=FAST_LAUNCH)
+    return hit
+
+
+def _check_aligned(*tensors_and_aligns) -> None:
+    for t, align in tensors_and_aligns:
+        if t.data_ptr() % align:
+            raise ValueError(f"tensor data pointer {t.data_ptr():#x} is not {align}-byte aligned")
 
 
 def kda_fwd(
@@ -330,36 +416,37 @@ def kda_fwd(
     ``return_scratch`` also the stage-1 scratch dict. ``stages`` (profiling only) names the kernels
     to launch; leaving one out gives wrong outputs but times the other alone.
     """
-    import cuda.bindings.driver as cuda
-    import cutlass
-
+    from cula.kernels.common.fast_launch import current_stream_handle
     from cula.kernels.sm90 import kda_fwd_intra as intra
     from cula.kernels.sm90 import kda_fwd_recur as recur
 
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev = q.device
+    TT = B * T
     scale = K ** -0.5 if scale is None else float(scale)
     qf, kf, vf, gf, bf, cu = _flatten(q, k, v, g, beta, cu_seqlens)
     qf, kf, vf, gf, bf = (x.contiguous() for x in (qf, kf, vf, gf, bf))
-    too_big = _too_big(B * T, HV, cu_seqlens, B)
+    too_big = _too_big(TT, HV, cu_seqlens, B)
     if too_big:
         raise ValueError(f"kda_fwd: {too_big}; split the batch")
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    # every token belongs to one sequence (cu_seqlens[-1] == B*T is validated): o is fully written
+    o = torch.empty(TT, HV, V, dtype=v.dtype, device=dev)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    ht = torch.empty(max(N, 1), HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    if TT == 0 or N == 0:  # no tokens: the state passes through
+        if output_final_state:
+            ht = h0.clone() if h0 is not None else torch.zeros(N, HV, K, V, device=dev)
+            ht = ht if N > 0 else None
+        out = o.reshape(B, T, HV, V)
+        return (out, ht) if not return_scratch else (out, ht, {})
     if cu_seqlens is None:
         chunks, seqs, NC = fixed_length_tables(B, T, dev)
-    else:
+    elif return_scratch:  # exact chunk count (one sync): the checks compare the scratch row for row
         chunks, seqs, NC = chunk_tables(cu.to(dev))
-    N = seqs.shape[0]
-    o = torch.zeros(B * T, HV, V, dtype=v.dtype, device=dev)
-    if initial_state is not None:
-        h0 = initial_state.contiguous()
     else:
-        h0 = torch.zeros(1, HV, K, V, dtype=torch.float32, device=dev)
-    ht = torch.empty(max(N, 1), HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
-    if NC == 0:  # every sequence empty: the state passes through
-        if output_final_state:
-            ht = h0.clone() if initial_state is not None else torch.zeros(N, HV, K, V, device=dev)
-        return (o.reshape(B, T, HV, V), ht) if not return_scratch else (o.reshape(B, T, HV, V), ht, {})
+        chunks, seqs, NC = varlen_tables(cu_seqlens, TT)
     R = NC * CHUNK
     bf16 = torch.bfloat16
     w = torch.empty(HV, R, K, dtype=bf16, device=dev)
@@ -368,51 +455,51 @@ def kda_fwd(
     aqk = torch.empty(HV, R, CHUNK, dtype=bf16, device=dev)
     kgt = torch.empty(HV, K, R, dtype=bf16, device=dev)
     gam = torch.empty(HV, NC, K, dtype=torch.float32, device=dev)
-    a_log = (A_log.float().contiguous() if (use_gate_in_kernel and A_log is not None)
-             else torch.zeros(1, dtype=torch.float32, device=dev))
-    dtb = (dt_bias.float().contiguous() if (use_gate_in_kernel and dt_bias is not None)
-           else torch.zeros(1, dtype=torch.float32, device=dev))
-    stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+    dummy = _dummy(dev)
+    a_log = A_log.float().contiguous() if (use_gate_in_kernel and A_log is not None) else dummy
+    dtb = dt_bias.float().contiguous() if (use_gate_in_kernel and dt_bias is not None) else dummy
+    stream = current_stream_handle(dev.index if dev.index is not None else torch.cuda.current_device())
+    _check_aligned((qf, 16), (kf, 16), (vf, 16), (gf, 16), (bf, 4), (a_log, 4), (dtb, 4), (o, 16),
+                   *(((h0, 16),) if h0 is not None else ()))
 
-    flags = dict(
-        use_qk_l2norm=bool(use_qk_l2norm_in_kernel), use_gate=bool(use_gate_in_kernel),
-        has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
-        use_lower_bound=bool(use_gate_in_kernel and lower_bound is not None),
-        use_beta_sigmoid=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval),
-        group=HV // H, inverse=INTRA_INVERSE, variant=INTRA_VARIANT,
-    )
     dts = (_cute_dtype(q.dtype), _cute_dtype(g.dtype), _cute_dtype(beta.dtype))
-    from cutlass.cute.runtime import make_fake_stream
-
-    i32, f32 = cutlass.Int32, cutlass.Float32
-    intra_args = (*(_ptr(t) for t in (qf, kf, vf, gf)), _ptr(bf, 4), _ptr(a_log, 4), _ptr(dtb, 4), _ptr(chunks, 8),
-                  *(_ptr(t) for t in (w, u, qg, aqk, kgt, gam)),
-                  i32(B * T), i32(H), i32(HV), i32(NC), f32(scale),
-                  f32(lower_bound if lower_bound is not None else 0.0), stream)
+    lb = float(lower_bound) if lower_bound is not None else 0.0
+    intra_values = (qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), gf.data_ptr(), bf.data_ptr(), a_log.data_ptr(),
+                    dtb.data_ptr(), chunks.data_ptr(), w.data_ptr(), u.data_ptr(), qg.data_ptr(), aqk.data_ptr(),
+                    kgt.data_ptr(), gam.data_ptr(), TT, H, HV, NC, scale, lb, stream)
     if "intra" in stages and intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound) == "tc":
         from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
         tc_flags = dict(use_qk_l2norm=True, has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
                         use_beta_sigmoid=bool(use_beta_sigmoid_in_kernel),
                         allow_neg_eigval=bool(allow_neg_eigval), group=HV // H)
-        _launch("intra_tc", (tuple(sorted(tc_flags.items())), dts), lambda: intra_tc.KdaFwdIntraTC(**tc_flags),
-                lambda: (*intra.fake_args(*dts), make_fake_stream()), intra_args)
+        intra_tc._compile_without_driver()
+        _launcher("intra_tc", (tuple(sorted(tc_flags.items())), dts), lambda: intra_tc.KdaFwdIntraTC(**tc_flags),
+                  _intra_specs(*dts))(*intra_values)
     elif "intra" in stages:
-        _launch("intra", (tuple(sorted(flags.items())), dts), lambda: intra.KdaFwdIntra(**flags),
-                lambda: (*intra.fake_args(*dts), make_fake_stream()), intra_args)
+        flags = dict(
+            use_qk_l2norm=bool(use_qk_l2norm_in_kernel), use_gate=bool(use_gate_in_kernel),
+            has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
+            use_lower_bound=bool(use_gate_in_kernel and lower_bound is not None),
+            use_beta_sigmoid=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval),
+            group=HV // H, inverse=INTRA_INVERSE, variant=INTRA_VARIANT,
+        )
+        if INTRA_VARIANT != "v1":
+            intra._compile_without_driver()
+        _launcher("intra", (tuple(sorted(flags.items())), dts), lambda: intra.KdaFwdIntra(**flags),
+                  _intra_specs(*dts))(*intra_values)
 
-    rflags = dict(has_initial_state=initial_state is not None, output_final_state=bool(output_final_state),
+    rflags = dict(has_initial_state=h0 is not None, output_final_state=bool(output_final_state),
                   state_v_first=bool(state_v_first))
-    ht_arg = ht if ht is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=dev)
     o_dt = _cute_dtype(v.dtype)
     if "recur" in stages:
-        _launch("recur", (tuple(sorted(rflags.items())), o_dt), lambda: recur.KdaFwdRecur(**rflags),
-                lambda: (*recur.fake_args(o_dt), make_fake_stream()),
-                (*(_ptr(t) for t in (w, qg, aqk, kgt, u, gam)), _ptr(chunks, 8), _ptr(seqs, 8),
-                 *(_ptr(t) for t in (o, h0, ht_arg)), i32(B * T), i32(HV), i32(NC), i32(N), stream))
+        variant = recur.RECUR_VARIANT
+        _launcher("recur", (tuple(sorted(rflags.items())), o_dt, variant),
+                  lambda: recur.KdaFwdRecur(**rflags, variant=variant), _recur_specs(o_dt))(
+            w.data_ptr(), qg.data_ptr(), aqk.data_ptr(), kgt.data_ptr(), u.data_ptr(), gam.data_ptr(),
+            chunks.data_ptr(), seqs.data_ptr(), o.data_ptr(), (h0 if h0 is not None else dummy).data_ptr(),
+            (ht if ht is not None else dummy).data_ptr(), TT, HV, NC, N, stream)
     out = o.reshape(B, T, HV, V)
-    if output_final_state and N == 0:
-        ht = None
     if return_scratch:
         return out, ht, dict(w=w, u=u, qg=qg, aqk=aqk, kgt=kgt, gam=gam)
     return out, ht
