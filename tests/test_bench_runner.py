@@ -191,10 +191,22 @@ def test_parse_impls():
         parse_impls("fla,triton")
 
 
-def test_canonical_command():
+def test_canonical_command(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith(("CULA_", "FLA_")):
+            monkeypatch.delenv(name)
     plan = resolve_plan(["kda"], "both", ["fla", "ref"], "auto", cuda_available=True)
     assert canonical_command(plan, TimingSettings(), quick=False) == "cula bench --suite kda --mode both --impl fla,ref"
     assert canonical_command(plan, TimingSettings(max_time_s=0.5), quick=False).endswith("--max-time 0.5")
+    # knobs that change what runs lead the command; labels (the git sha) and FLA's pinned flag do not
+    monkeypatch.setenv("CULA_KERNELS", "kda_fwd")
+    monkeypatch.setenv("CULA_KDA_RECUR_VARIANT", "v1")
+    monkeypatch.setenv("CULA_GIT_SHA", "abc")
+    monkeypatch.setenv("FLA_FLASH_KDA", "0")
+    assert canonical_command(plan, TimingSettings(), quick=False) == (
+        "CULA_KDA_RECUR_VARIANT=v1 CULA_KERNELS=kda_fwd cula bench --suite kda --mode both --impl fla,ref")
 
 
 def test_percentiles_and_cpu_timer():

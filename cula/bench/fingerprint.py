@@ -96,6 +96,18 @@ def _driver_version() -> str:
     return "unknown"
 
 
+#: Environment variables that change which code a run measures (and so belong in its reproduce command).
+KNOB_PREFIXES = ("CULA_", "FLA_")
+#: ... except the ones that only label the run.
+NOT_KNOBS = ("CULA_GIT_SHA", "CULA_GIT_DIRTY", "FLA_FLASH_KDA")  # FLA_FLASH_KDA: cula.bench pins it
+
+
+def knob_env() -> list[str]:
+    """``NAME=value`` of every knob variable set in this process, sorted (e.g. ``CULA_KERNELS=kda_fwd``)."""
+    return sorted(f"{k}={v}" for k, v in os.environ.items()
+                  if k.startswith(KNOB_PREFIXES) and k not in NOT_KNOBS)
+
+
 def host_hash() -> str:
     """First 12 hex digits of sha256(hostname): tells machines apart without naming them."""
     return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:12]

@@ -154,8 +154,11 @@ def resolve_plan(suites: list[str] | None, mode: str = "both", impls: list[str] 
 
 
 def canonical_command(plan: Plan, settings: TimingSettings, quick: bool) -> str:
-    """The command that reproduces the run (paths and resume flags left out)."""
-    parts = ["cula bench"]
+    """The command that reproduces the run (paths and resume flags left out), prefixed by the knob
+    environment variables it ran with (``fingerprint.knob_env``)."""
+    from cula.bench.fingerprint import knob_env
+
+    parts = [*knob_env(), "cula bench"]
     for s in plan.suites:
         parts.append(f"--suite {s}")
     parts.append(f"--mode {plan.mode}")
