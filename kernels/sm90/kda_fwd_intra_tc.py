@@ -446,12 +446,8 @@ class KdaFwdIntraTC:
         acc_kk = thr_d.make_fragment_C(thr_d.partition_shape_C((CHUNK, CHUNK)))
         acc_qk = thr_d.make_fragment_C(thr_d.partition_shape_C((CHUNK, CHUNK)))
         warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(tAka, mode=[2])):
-            mma_diag.set(warpgroup.Field.ACCUMULATE, kb != 0)
-            cute.gemm(mma_diag, acc_kk, tAka[None, None, kb, 0], tBkt[None, None, kb, 0], acc_kk)
-        for kb in cutlass.range_constexpr(cute.size(tAqa, mode=[2])):
-            mma_diag.set(warpgroup.Field.ACCUMULATE, kb != 0)
-            cute.gemm(mma_diag, acc_qk, tAqa[None, None, kb, 0], tBkt[None, None, kb, 0], acc_qk)
+        _gemm_ss(mma_diag, acc_kk, tAka, tBkt)
+        _gemm_ss(mma_diag, acc_qk, tAqa, tBkt)
         warpgroup.commit_group()
 
         thr_o = mma_off.get_slice(tidx)
@@ -557,12 +553,8 @@ class KdaFwdIntraTC:
         acc_w = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK)))
         acc_u = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DV)))
         warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(tAtb, mode=[2])):
-            mma_wu.set(warpgroup.Field.ACCUMULATE, kb != 0)
-            cute.gemm(mma_wu, acc_w, tAtb[None, None, kb, 0], tBx[None, None, kb, 0], acc_w)
-        for kb in cutlass.range_constexpr(cute.size(tAtb, mode=[2])):
-            mma_wu.set(warpgroup.Field.ACCUMULATE, kb != 0)
-            cute.gemm(mma_wu, acc_u, tAtb[None, None, kb, 0], tBv[None, None, kb, 0], acc_u)
+        _gemm_ss(mma_wu, acc_w, tAtb, tBx)
+        _gemm_ss(mma_wu, acc_u, tAtb, tBv)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
         cute.arch.sync_threads()  # X and v are read: their tiles become the w / u staging
@@ -661,6 +653,17 @@ class KdaFwdIntraTC:
                 acc = acc + sT[half + r, half + kk] * sY[kk, c]
             sT[half + r, c] = -acc
         cute.arch.sync_threads()
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+@cute.jit
+def _gemm_ss(mma: cute.TiledMma, acc: cute.Tensor, t_a: cute.Tensor, t_b: cute.Tensor):
+    """acc = A B over every k-block of single-stage smem fragments (the first block overwrites acc)."""
+    for kb in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
+        mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+        cute.gemm(mma, acc, t_a[None, None, kb, 0], t_b[None, None, kb, 0], acc)
 
 
 # ------------------------------------------------------------------------------------------------
