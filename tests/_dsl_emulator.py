@@ -3,8 +3,8 @@
 Compile checks prove a kernel lowers to good PTX, not that it computes the right thing; on a machine
 without a GPU this emulator runs the kernel's own source (the functions under ``@cute.jit`` /
 ``@cute.kernel``, taken from ``__wrapped__``) with stand-ins for the few DSL calls the decode kernels
-use: register tensors and shared memory are numpy buffers addressed through the CuTe layouts the kernel
-builds, ``shuffle_sync_bfly`` exchanges values between the 32 threads of a warp, ``sync_threads`` is a
+use: register tensors and shared memory are buffers (Python lists) addressed through the CuTe layouts
+the kernel builds, ``shuffle_sync_bfly`` exchanges values between the 32 threads of a warp, ``sync_threads`` is a
 barrier over the CTA, and scalars are fp32 (bf16 / fp16 stores round as the hardware does).
 
 It checks what a GPU run would only show as wrong numbers or a crash: every global access is in bounds
@@ -16,6 +16,7 @@ out). Only what the decode kernels use is emulated; anything else raises ``Attri
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import types
 from collections.abc import Callable, Sequence
@@ -25,12 +26,20 @@ import numpy as np
 import torch
 
 # --------------------------------------------------------------------------------------- numbers
+#
+# Speed: a kernel of 256 threads makes millions of element accesses, so the hot paths below avoid
+# numpy calls that cost ~1 us on a scalar (``np.isnan``, ``np.float32(x)`` of a value that already is
+# one, one-element arrays) and allocate results without re-converting them. Every value is still an
+# ``np.float32`` and every operation still rounds as fp32 arithmetic does; the checks are unchanged.
+
+_f32 = np.float32
+_new = object.__new__
 
 
 def _round_bf16(x: float) -> np.float32:
-    b = np.array([x], dtype=np.float32).view(np.uint32)
-    b = ((b.astype(np.uint64) + 0x7FFF + ((b >> 16) & 1)) >> 16 << 16).astype(np.uint32)
-    return b.view(np.float32)[0]
+    b = int(_f32(x).view(np.uint32))
+    b = (((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16) & 0xFFFFFFFF
+    return np.uint32(b).view(np.float32)
 
 
 class _Dtype:
@@ -43,14 +52,18 @@ class _Dtype:
         return self.convert(x)
 
     def convert(self, x: Any) -> Any:
-        v = x.v if isinstance(x, F) else x
+        return _F(self.raw(x)) if self.kind == "float" else int(x.v if type(x) is F else x)
+
+    def raw(self, x: Any) -> Any:
+        """The stored form of ``x`` in this dtype: an ``np.float32`` (floats, rounded) or an int."""
+        v = x.v if type(x) is F else x
         if self.kind == "int":
             return int(v)
         if self.name == "bf16":
-            return F(_round_bf16(float(v)))
+            return _round_bf16(float(v))
         if self.name == "f16":
-            return F(np.float32(np.float16(v)))
-        return F(v)
+            return _f32(np.float16(v))
+        return v if type(v) is _f32 else _f32(v)
 
     def __repr__(self) -> str:
         return self.name
@@ -64,7 +77,16 @@ Int64 = _Dtype("i64", "int", 64)
 
 
 def _v(x: Any) -> np.float32:
-    return x.v if isinstance(x, F) else np.float32(x)
+    if type(x) is F:
+        return x.v
+    return x if type(x) is _f32 else _f32(x)
+
+
+def _F(v: np.float32) -> "F":
+    """An ``F`` around a value that already is an ``np.float32`` (no conversion)."""
+    r = _new(F)
+    r.v = v
+    return r
 
 
 class F:
@@ -73,20 +95,21 @@ class F:
     __slots__ = ("v",)
 
     def __init__(self, v: Any):
-        self.v = np.float32(v)
+        self.v = v if type(v) is _f32 else _f32(v)
 
     def to(self, dtype: _Dtype) -> Any:
         return dtype.convert(self)
 
-    def __add__(self, o): return F(self.v + _v(o))
-    def __radd__(self, o): return F(_v(o) + self.v)
-    def __sub__(self, o): return F(self.v - _v(o))
-    def __rsub__(self, o): return F(_v(o) - self.v)
-    def __mul__(self, o): return F(self.v * _v(o))
-    def __rmul__(self, o): return F(_v(o) * self.v)
-    def __truediv__(self, o): return F(self.v / _v(o))
-    def __rtruediv__(self, o): return F(_v(o) / self.v)
-    def __neg__(self): return F(-self.v)
+    # np.float32 (op) np.float32 is an np.float32: the result needs no conversion
+    def __add__(self, o): r = _new(F); r.v = self.v + (o.v if type(o) is F else _v(o)); return r
+    def __radd__(self, o): r = _new(F); r.v = _v(o) + self.v; return r
+    def __sub__(self, o): r = _new(F); r.v = self.v - (o.v if type(o) is F else _v(o)); return r
+    def __rsub__(self, o): r = _new(F); r.v = _v(o) - self.v; return r
+    def __mul__(self, o): r = _new(F); r.v = self.v * (o.v if type(o) is F else _v(o)); return r
+    def __rmul__(self, o): r = _new(F); r.v = _v(o) * self.v; return r
+    def __truediv__(self, o): r = _new(F); r.v = self.v / (o.v if type(o) is F else _v(o)); return r
+    def __rtruediv__(self, o): r = _new(F); r.v = _v(o) / self.v; return r
+    def __neg__(self): r = _new(F); r.v = -self.v; return r
     def __le__(self, o): return bool(self.v <= _v(o))
     def __lt__(self, o): return bool(self.v < _v(o))
     def __ge__(self, o): return bool(self.v >= _v(o))
@@ -130,69 +153,169 @@ class Layout:
 
 
 class Tensor:
-    """A CuTe tensor over a numpy buffer: ``offset + sum(coord * stride)`` addresses an element."""
+    """A CuTe tensor over a buffer: ``offset + sum(coord * stride)`` addresses an element.
+
+    Buffers are Python lists (indexing one is ~4x cheaper than indexing a numpy array): float buffers
+    hold ``np.float32`` values (or the exact Python floats of a registered tensor), NaN where never
+    written; int buffers hold ints.
+    """
+
+    __slots__ = ("ptr", "layout", "_buf", "_n", "_base", "_shape", "_stride", "_size", "_rank", "_name", "_dtype",
+                 "_is_int")
 
     def __init__(self, ptr: Pointer, layout: Layout):
         self.ptr, self.layout = ptr, layout
+        # the hot paths read these instead of walking ptr / layout on every access
+        self._buf, self._base, self._name, self._dtype = ptr.buf, ptr.offset, ptr.name, ptr.dtype
+        self._n = 0 if ptr.buf is None else len(ptr.buf)  # buffers never change length
+        self._shape, self._stride = layout.shape, layout.stride
+        self._size, self._rank = layout.size, len(layout.shape)
+        self._is_int = ptr.dtype.kind == "int"
 
     @property
     def iterator(self) -> Pointer:
         return self.ptr
 
     def _offset(self, idx) -> int:
-        shape, stride = self.layout.shape, self.layout.stride
-        if isinstance(idx, tuple):
-            assert len(idx) == len(shape), f"{self.ptr.name}: index {idx} for shape {shape}"
+        shape, stride = self._shape, self._stride
+        if type(idx) is tuple or isinstance(idx, tuple):
+            if len(idx) != self._rank:
+                raise AssertionError(f"{self._name}: index {idx} for shape {shape}")
             coords = idx
         else:  # a flat index runs over the modes first-mode-fastest, as in CuTe
-            coords, rest = [], int(idx)
-            assert 0 <= rest < self.layout.size, f"{self.ptr.name}: flat index {idx} of {shape}"
-            for s in shape:
-                coords.append(rest % s)
-                rest //= s
-        off = self.ptr.offset
-        for c, s, d in zip(coords, shape, stride):
-            c = int(c)
-            assert 0 <= c < s, f"{self.ptr.name}: coordinate {coords} out of shape {shape}"
-            off += c * d
-        buf = self.ptr.buf
-        assert buf is not None, f"{self.ptr.name}: access through a null pointer"
-        assert 0 <= off < buf.shape[0], f"{self.ptr.name}: element {off} out of bounds ({buf.shape[0]})"
+            rest = idx if type(idx) is int else int(idx)
+            if not 0 <= rest < self._size:
+                raise AssertionError(f"{self._name}: flat index {idx} of {shape}")
+            if self._rank == 1:
+                coords = (rest,)
+            else:
+                coords = []
+                for s in shape:
+                    coords.append(rest % s)
+                    rest //= s
+        # every coordinate within its mode, then the element within the buffer (ranks 1-3 unrolled)
+        rank = self._rank
+        if rank == 2:
+            c0, c1 = coords
+            if type(c0) is not int:
+                c0 = int(c0)
+            if type(c1) is not int:
+                c1 = int(c1)
+            if not (0 <= c0 < shape[0] and 0 <= c1 < shape[1]):
+                raise AssertionError(f"{self._name}: coordinate {coords} out of shape {shape}")
+            off = self._base + c0 * stride[0] + c1 * stride[1]
+        elif rank == 3:
+            c0, c1, c2 = coords
+            if type(c0) is not int:
+                c0 = int(c0)
+            if type(c1) is not int:
+                c1 = int(c1)
+            if type(c2) is not int:
+                c2 = int(c2)
+            if not (0 <= c0 < shape[0] and 0 <= c1 < shape[1] and 0 <= c2 < shape[2]):
+                raise AssertionError(f"{self._name}: coordinate {coords} out of shape {shape}")
+            off = self._base + c0 * stride[0] + c1 * stride[1] + c2 * stride[2]
+        else:
+            off = self._base
+            for c, s, d in zip(coords, shape, stride):
+                c = int(c)
+                if not 0 <= c < s:
+                    raise AssertionError(f"{self._name}: coordinate {coords} out of shape {shape}")
+                off += c * d
+        if not 0 <= off < self._n:
+            if self._buf is None:
+                raise AssertionError(f"{self._name}: access through a null pointer")
+            raise AssertionError(f"{self._name}: element {off} out of bounds ({self._n})")
         return off
 
     def __getitem__(self, idx):
-        if isinstance(idx, tuple) and any(i is None for i in idx):
+        if type(idx) is tuple and None in idx:
             keep = [m for m, i in enumerate(idx) if i is None]
-            base = self.ptr.offset + sum(int(i) * self.layout.stride[m] for m, i in enumerate(idx) if i is not None)
-            sub = Layout(tuple(self.layout.shape[m] for m in keep), tuple(self.layout.stride[m] for m in keep))
-            return Tensor(Pointer(self.ptr.buf, base, self.ptr.dtype, self.ptr.name), sub)
-        val = self.ptr.buf[self._offset(idx)]
-        if self.ptr.dtype.kind == "int":
+            base = self._base + sum(int(i) * self._stride[m] for m, i in enumerate(idx) if i is not None)
+            sub = Layout(tuple(self._shape[m] for m in keep), tuple(self._stride[m] for m in keep))
+            return Tensor(Pointer(self._buf, base, self._dtype, self._name), sub)
+        val = self._buf[self._offset(idx)]
+        if self._is_int:
             return int(val)
-        assert not np.isnan(val), f"{self.ptr.name}: read of an element never written"
-        return F(val)
+        if val != val:
+            raise AssertionError(f"{self._name}: read of an element never written")
+        r = _new(F)
+        r.v = val if type(val) is _f32 else _f32(val)
+        return r
 
     @property
     def element_type(self) -> "_Dtype":
-        return self.ptr.dtype
+        return self._dtype
 
     def fill(self, value) -> None:
-        for i in range(self.layout.size):
+        for i in range(self._size):
             self[i] = value
 
     def __setitem__(self, idx, value):
-        self.ptr.buf[self._offset(idx)] = self.ptr.dtype.convert(value).v if self.ptr.dtype.kind == "float" \
-            else int(value)
+        self._buf[self._offset(idx)] = int(value) if self._is_int else self._dtype.raw(value)
 
 
 # ---------------------------------------------------------------------------------- thread model
 
 
+class _Barrier:
+    """``threading.Barrier``'s contract (all ``n`` threads must arrive; a wait that times out, or an
+    ``abort()``, breaks it for every waiter with ``BrokenBarrierError``) at a fraction of its cost.
+
+    Each waiting thread blocks on its own lock, which the last thread to arrive releases: waking a
+    thread costs one lock release instead of a condition variable that all waiters then contend for.
+    """
+
+    def __init__(self, n: int, timeout: float):
+        self.n, self.timeout = n, timeout
+        self.mutex = threading.Lock()
+        self.waiting: list[tuple[threading.Lock, list]] = []  # (lock held for the waiter, [outcome])
+        self.broken = False
+
+    def wait(self) -> None:
+        wake = _tls.wake
+        outcome = [None]
+        with self.mutex:
+            if self.broken:
+                raise threading.BrokenBarrierError
+            if len(self.waiting) == self.n - 1:  # the last one: release everybody
+                for lock, out in self.waiting:
+                    out[0] = True
+                    lock.release()
+                self.waiting = []
+                return
+            wake.acquire()  # free (each thread's lock is released when it is not waiting)
+            self.waiting.append((wake, outcome))
+        if not wake.acquire(timeout=self.timeout):
+            with self.mutex:
+                if outcome[0] is None:  # nobody came: break the barrier for everyone
+                    self.waiting.remove((wake, outcome))
+                    wake.release()
+                    self._abort_locked()
+                    raise threading.BrokenBarrierError
+            wake.acquire()  # released just after the timeout: it completed (or was aborted)
+        wake.release()
+        if not outcome[0]:
+            raise threading.BrokenBarrierError
+
+    def _abort_locked(self) -> None:
+        self.broken = True
+        for lock, out in self.waiting:
+            out[0] = False
+            lock.release()
+        self.waiting = []
+
+    def abort(self) -> None:
+        with self.mutex:
+            self._abort_locked()
+
+
 class _CTA:
     def __init__(self, block: tuple[int, int, int], threads: int, timeout: float):
         self.block = block
-        self.barrier = threading.Barrier(threads, timeout=timeout)
-        self.warps = [(threading.Barrier(32, timeout=timeout), [None] * 32) for _ in range(threads // 32)]
+        self.barrier = _Barrier(threads, timeout)
+        # per warp: its barrier and two slot arrays, used by alternate shuffles (see _shuffle_sync_bfly)
+        self.warps = [(_Barrier(32, timeout), ([None] * 32, [None] * 32)) for _ in range(threads // 32)]
         self.smem: list[Tensor] = []
         self.lock = threading.Lock()
 
@@ -213,13 +336,24 @@ def _sync_threads():
 
 
 def _shuffle_sync_bfly(x, offset: int, mask: int = -1, mask_and_clamp: int = 31):
-    barrier, slots = _tls.cta.warps[_tls.tid // 32]
+    # One barrier per shuffle: a lane writes slot array k % 2 for its k-th shuffle, so a fast lane
+    # cannot overwrite values not yet read (writing array k % 2 again, for shuffle k + 2, needs every
+    # lane past shuffle k + 1's barrier, hence done reading shuffle k).
+    barrier, buffers = _tls.cta.warps[_tls.tid // 32]
+    slots = buffers[_tls.shuffles & 1]
+    _tls.shuffles += 1
     lane = _tls.tid % 32
     slots[lane] = x
     barrier.wait()
-    y = slots[lane ^ int(offset)]
-    barrier.wait()
-    return y
+    return slots[lane ^ int(offset)]
+
+
+_INT_UNWRITTEN = -(1 << 63)  # what an int64 buffer filled with NaN holds
+
+
+def _unwritten(n: int, dtype: _Dtype) -> list:
+    """A fresh shared / register buffer: NaN (floats) so that a read before a write is caught."""
+    return [_INT_UNWRITTEN] * n if dtype.kind == "int" else [math.nan] * n
 
 
 class _SmemAllocator:
@@ -232,7 +366,7 @@ class _SmemAllocator:
         cta = _tls.cta
         with cta.lock:
             if self.n == len(cta.smem):
-                buf = np.full(layout.cosize, np.nan, dtype=np.float64 if dtype.kind == "float" else np.int64)
+                buf = _unwritten(layout.cosize, dtype)
                 cta.smem.append(Tensor(Pointer(buf, 0, dtype, f"smem{self.n}"), layout))
             t = cta.smem[self.n]
         self.n += 1
@@ -250,8 +384,7 @@ def _make_tensor(ptr: Pointer, layout: Layout) -> Tensor:
 
 
 def _make_rmem_tensor(layout: Layout, dtype: _Dtype) -> Tensor:
-    buf = np.full(layout.cosize, np.nan, dtype=np.float64 if dtype.kind == "float" else np.int64)
-    return Tensor(Pointer(buf, 0, dtype, "rmem"), layout)
+    return Tensor(Pointer(_unwritten(layout.cosize, dtype), 0, dtype, "rmem"), layout)
 
 
 def _autovec_copy(src: Tensor, dst: Tensor) -> None:
@@ -331,6 +464,18 @@ def emulated_instance(obj: Any, helpers: dict[str, Callable], kernel_name: str =
 
 def launch(kernel: Callable, grid: Sequence[int], threads: int, args: Sequence[Any], timeout: float = 20.0) -> None:
     """Run ``kernel(*args)`` for every CTA of ``grid`` (x fastest), ``threads`` Python threads each."""
+    # The threads only need to interleave at barriers and shuffles, where they block anyway; the
+    # interpreter's forced switches every 5 ms among hundreds of runnable threads only add OS context
+    # switches (a third of the run time). Results and checks do not depend on the interleaving.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(max(interval, 0.5))
+    try:
+        _launch(kernel, grid, threads, args, timeout)
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _launch(kernel: Callable, grid: Sequence[int], threads: int, args: Sequence[Any], timeout: float) -> None:
     errors: list[BaseException] = []
     for bz in range(grid[2]):
         for by in range(grid[1]):
@@ -338,7 +483,7 @@ def launch(kernel: Callable, grid: Sequence[int], threads: int, args: Sequence[A
                 cta = _CTA((bx, by, bz), threads, timeout)
 
                 def body(tid: int, cta=cta) -> None:
-                    _tls.tid, _tls.cta = tid, cta
+                    _tls.tid, _tls.cta, _tls.shuffles, _tls.wake = tid, cta, 0, threading.Lock()
                     try:
                         kernel(*args)
                     except threading.BrokenBarrierError:
@@ -359,8 +504,19 @@ def launch(kernel: Callable, grid: Sequence[int], threads: int, args: Sequence[A
                     raise AssertionError(f"CTA {cta.block}: {type(first).__name__}: {first}") from first
 
 
+def _buffer(flat: torch.Tensor, dtype: _Dtype) -> list:
+    """The list buffer of a registered tensor: exact values, as ``np.float32`` where that is exact."""
+    if dtype.kind != "float":
+        return flat.to(torch.int64).tolist()
+    arr = flat.to(torch.float64).numpy()
+    as32 = arr.astype(np.float32)
+    if np.array_equal(as32.astype(np.float64), arr, equal_nan=True):
+        return list(as32)  # reads then need no conversion
+    return arr.tolist()
+
+
 class Memory:
-    """Device memory for an emulated launch: torch tensors mirrored into numpy buffers by ``data_ptr``."""
+    """Device memory for an emulated launch: torch tensors mirrored into buffers by ``data_ptr``."""
 
     def __init__(self):
         self.tensors: dict[int, torch.Tensor] = {}
@@ -370,7 +526,7 @@ class Memory:
             if isinstance(t, torch.Tensor):
                 self.tensors[t.data_ptr()] = t
 
-    def pointers(self, specs, values) -> tuple[list[Any], list[tuple[torch.Tensor, np.ndarray]]]:
+    def pointers(self, specs, values) -> tuple[list[Any], list[tuple[torch.Tensor, list]]]:
         """Kernel arguments for launcher ``values`` (pointers resolved to buffers), plus write-backs."""
         dtypes = {"Float32": Float32, "BFloat16": BFloat16, "Float16": Float16, "Int32": Int32, "Int64": Int64}
         args, backs, bufs = [], [], {}
@@ -383,7 +539,7 @@ class Memory:
                 t = self.tensors[value]
                 if value not in bufs:  # one buffer per tensor: in-place updates alias
                     flat = t.detach().reshape(-1)
-                    bufs[value] = flat.to(torch.float64 if dtype.kind == "float" else torch.int64).numpy().copy()
+                    bufs[value] = _buffer(flat, dtype)
                     backs.append((t, bufs[value]))
                 args.append(Pointer(bufs[value], 0, dtype, f"tensor{list(t.shape)}"))
             elif spec.kind == "i32":
@@ -395,6 +551,7 @@ class Memory:
         return args, backs
 
     @staticmethod
-    def write_back(backs: list[tuple[torch.Tensor, np.ndarray]]) -> None:
+    def write_back(backs: list[tuple[torch.Tensor, list]]) -> None:
         for t, buf in backs:
-            t.view(-1).copy_(torch.from_numpy(buf).to(t.dtype))
+            arr = np.array(buf, dtype=np.float64 if t.dtype.is_floating_point else np.int64)
+            t.view(-1).copy_(torch.from_numpy(arr).to(t.dtype))

@@ -109,3 +109,50 @@ def test_emulator_catches_a_wrong_reduction(monkeypatch):
     o_ref, _ = db.reference(case, {**inputs, "initial_state": inputs["initial_state"].clone()})
     o, _ = run_emulated(monkeypatch, ld, inputs)
     assert db.rel_err(o, o_ref) > 0.1
+
+
+def _missing_barrier(buf):
+    if emu.cute.arch.thread_idx()[0] != 5:
+        emu.cute.arch.sync_threads()
+
+
+def _missing_shuffle(buf):
+    if emu.cute.arch.thread_idx()[0] != 33:
+        emu.cute.arch.shuffle_sync_bfly(emu.cutlass.Float32(1.0), offset=1)
+
+
+def _past_the_end(buf):
+    buf[emu.cute.arch.thread_idx()[0] + 1] = emu.cutlass.Float32(1.0)
+
+
+def _unwritten_register(buf):
+    r = emu.cute.make_rmem_tensor(emu.cute.make_layout(2), emu.cutlass.Float32)
+    r[0] = emu.cutlass.Float32(1.0)
+    buf[0] = r[1]
+
+
+def _butterfly_total(buf):
+    tid = emu.cute.arch.thread_idx()[0]
+    x = emu.cutlass.Float32(float(tid))
+    for s in range(5):  # many shuffles in a row: each lane must see the value of this round
+        x = x + emu.cute.arch.shuffle_sync_bfly(x, offset=1 << s)
+    emu.cute.arch.sync_threads()
+    buf[tid] = x
+
+
+@pytest.mark.parametrize("kernel, message", [
+    (_missing_barrier, "a barrier was broken"), (_missing_shuffle, "a barrier was broken"),
+    (_past_the_end, "flat index 64 of"), (_unwritten_register, "read of an element never written"),
+])
+def test_emulator_reports_what_a_gpu_run_would_hide(kernel, message):
+    """The emulator's own checks: a thread missing a barrier or a shuffle (deadlock), an access out of
+    bounds, a read of a register never written."""
+    buf = emu.Tensor(emu.Pointer([float("nan")] * 64, 0, emu.Float32, "out"), emu.Layout(64))
+    with pytest.raises(AssertionError, match=message):
+        emu.launch(kernel, [1, 1, 1], 64, (buf,), timeout=0.5)
+
+
+def test_emulator_shuffles_exchange_each_rounds_values():
+    buf = emu.Tensor(emu.Pointer([float("nan")] * 64, 0, emu.Float32, "out"), emu.Layout(64))
+    emu.launch(_butterfly_total, [1, 1, 1], 64, (buf,))
+    assert [float(buf[i]) for i in range(64)] == [float(sum(range(32)))] * 32 + [float(sum(range(32, 64)))] * 32
