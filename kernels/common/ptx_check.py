@@ -13,6 +13,11 @@ Usage from Python::
     report = ptx_report("cula.kernels.sm90.lightning_fwd", "default")
     assert report.has("wgmma.mma_async") and report.spill_bytes == 0
 
+``ptx_reports(module, [targets])`` compiles several targets of one module in one child (same PTX as one
+child each; the interpreter and the DSL load once). The test session shares one :class:`ReportCache`
+(``share_reports``, set up in tests/conftest.py): each target compiles once per session, ahead of the
+tests that read it, in the background.
+
 or from a shell: ``python -m cula.kernels.common.ptx_check cula.kernels.sm90.lightning_fwd default``.
 """
 
@@ -27,6 +32,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Callable
 
 ARCH = "sm_90a"
 
@@ -110,8 +117,16 @@ def parse_ptxas_log(log: str) -> list[KernelResources]:
     return kernels
 
 
-def _child(module: str, target: str, dump_dir: str) -> None:
-    """Runs in the child process: compile one target, leaving its PTX in ``dump_dir``."""
+def _child(module: str, dump_dir: str, targets: list[str]) -> None:
+    """Runs in the child process: compile each target, leaving its PTX in ``dump_dir/<index>/``.
+
+    Several targets of one module share a child (the interpreter, torch and the DSL load once); each
+    compile is separate (its own ``cute.compile``), and its files are moved to the target's folder
+    before the next one starts. A target that fails leaves its error in ``error.txt`` instead.
+    """
+    nice = int(os.environ.pop("CULA_PTX_NICE", "0"))
+    if nice and hasattr(os, "nice"):
+        os.nice(nice)
     os.environ["CUTE_DSL_ARCH"] = ARCH
     os.environ["CUTE_DSL_KEEP_PTX"] = "1"
     os.environ["CUTE_DSL_DUMP_DIR"] = dump_dir
@@ -120,48 +135,231 @@ def _child(module: str, target: str, dump_dir: str) -> None:
 
     Compiler._check_cuda_dependencies_once = lambda *a, **k: None
     import importlib
+    import traceback
 
     import cutlass.cute as cute
 
     mod = importlib.import_module(module)
-    fn, args = mod.compile_targets()[target]()
-    try:
-        cute.compile(fn, *args)
-    except Exception as exc:  # loading into a missing driver fails after PTX is written
-        if not glob.glob(os.path.join(dump_dir, "*.ptx")):
-            raise
-        print(f"(expected after PTX was written: {type(exc).__name__})", file=sys.stderr)
+    for i, target in enumerate(targets):
+        out = os.path.join(dump_dir, str(i))
+        os.makedirs(out)
+        try:
+            fn, args = mod.compile_targets()[target]()
+            try:
+                cute.compile(fn, *args)
+            except Exception as exc:  # loading into a missing driver fails after PTX is written
+                if not glob.glob(os.path.join(dump_dir, "*.ptx")):
+                    raise
+                print(f"{target}: (expected after PTX was written: {type(exc).__name__})", file=sys.stderr)
+        except Exception:  # noqa: BLE001 - reported for this target; the others still compile
+            with open(os.path.join(out, "error.txt"), "w") as f:
+                f.write(traceback.format_exc())
+        for path in glob.glob(os.path.join(dump_dir, "*")):
+            if os.path.isfile(path):
+                shutil.move(path, out)
+
+
+def _report(module: str, target: str, out: str, child_output: str, ptxas: str | None, timeout: float) -> PtxReport:
+    """The report of one target from its folder of the child's dump (``RuntimeError`` if it failed)."""
+    files = sorted(glob.glob(os.path.join(out, "*.ptx")))
+    if not files:
+        err = ""
+        if os.path.exists(os.path.join(out, "error.txt")):
+            with open(os.path.join(out, "error.txt")) as f:
+                err = f.read()
+        raise RuntimeError(f"no PTX produced for {module}:{target}\n{err[-6000:]}\n{child_output[-6000:]}")
+    with open(files[-1], "rb") as f:
+        ptx = f.read().replace(b"\x00", b"").decode()
+    log = ""
+    if ptxas:
+        clean = os.path.join(out, "clean.ptx")
+        with open(clean, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([ptxas, f"-arch={ARCH}", "-v", clean, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=timeout)
+        log = res.stdout + res.stderr
+        if res.returncode != 0:
+            raise RuntimeError(f"ptxas failed for {module}:{target}\n{log[-6000:]}")
+    return PtxReport(ptx=ptx, ptxas_log=log, kernels=parse_ptxas_log(log))
+
+
+def ptx_reports(module: str, targets: list[str], timeout: float = 600.0,
+                started: Callable[[subprocess.Popen], None] | None = None,
+                nice: int = 0) -> dict[str, PtxReport | Exception]:
+    """Compile several targets of ``module`` in one child process and run ``ptxas -v`` on each.
+
+    Returns each target's report, or the exception that ``ptx_report`` would raise for it (one
+    target's failure does not hide the others' results). ``started`` is told the child process;
+    ``nice`` lowers its scheduling priority (a compile ahead of need yields to the work in front).
+    """
+    ptxas = shutil.which("ptxas")
+    results: dict[str, PtxReport | Exception] = {}
+    with tempfile.TemporaryDirectory(prefix="cula-ptx-") as dump_dir:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cula.kernels.common.ptx_check", "--child", module, dump_dir, *targets],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "CULA_PTX_NICE": str(nice)},
+        )
+        if started is not None:
+            started(proc)
+        try:
+            output, _ = proc.communicate(timeout=timeout * len(targets))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+            output += f"\n(the compile child timed out after {timeout * len(targets):.0f} s)"
+        lost = []
+        for i, target in enumerate(targets):
+            out = os.path.join(dump_dir, str(i))
+            if len(targets) > 1 and not glob.glob(os.path.join(out, "*.ptx")) \
+                    and not os.path.exists(os.path.join(out, "error.txt")):
+                lost.append(target)  # the shared child died (or timed out) before or during this one
+                continue
+            try:
+                results[target] = _report(module, target, out, output, ptxas, timeout)
+            except Exception as exc:  # noqa: BLE001 - handed to whoever asks for this target
+                results[target] = exc
+    for target in lost:  # alone, as a single-target call would: the failure lands on its own target
+        results.update(ptx_reports(module, [target], timeout, started, nice))
+    return {t: results[t] for t in targets}
 
 
 def ptx_report(module: str, target: str = "default", timeout: float = 600.0) -> PtxReport:
-    """Compile ``module``'s ``target`` to sm_90a PTX in a child process and run ``ptxas -v`` on it."""
-    ptxas = shutil.which("ptxas")
-    with tempfile.TemporaryDirectory(prefix="cula-ptx-") as dump_dir:
-        proc = subprocess.run(
-            [sys.executable, "-m", "cula.kernels.common.ptx_check", "--child", module, target, dump_dir],
-            capture_output=True, text=True, timeout=timeout,
-        )
-        files = sorted(glob.glob(os.path.join(dump_dir, "*.ptx")))
-        if not files:
-            raise RuntimeError(f"no PTX produced for {module}:{target}\n{proc.stdout}\n{proc.stderr[-6000:]}")
-        with open(files[-1], "rb") as f:
-            ptx = f.read().replace(b"\x00", b"").decode()
-        log = ""
-        if ptxas:
-            clean = os.path.join(dump_dir, "clean.ptx")
-            with open(clean, "w") as f:
-                f.write(ptx)
-            res = subprocess.run([ptxas, f"-arch={ARCH}", "-v", clean, "-o", os.devnull],
-                                 capture_output=True, text=True, timeout=timeout)
-            log = res.stdout + res.stderr
-            if res.returncode != 0:
-                raise RuntimeError(f"ptxas failed for {module}:{target}\n{log[-6000:]}")
-        return PtxReport(ptx=ptx, ptxas_log=log, kernels=parse_ptxas_log(log))
+    """Compile ``module``'s ``target`` to sm_90a PTX in a child process and run ``ptxas -v`` on it.
+
+    Inside a test session that shares reports (see :class:`ReportCache`), a target compiled once (or
+    ahead of time) is not compiled again.
+    """
+    if _shared_cache is not None:
+        return _shared_cache.get(module, target)
+    result = ptx_reports(module, [target], timeout)[target]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+class ReportCache:
+    """Compile each (module, target) once per session, in the background ahead of use where told to.
+
+    ``prefetch(pairs)`` queues the targets, grouped by module into children of a few targets each,
+    for ``workers`` background threads (each waits on one child process at a time, run at ``nice``
+    so that it takes only the CPU the foreground leaves idle). ``get`` returns
+    a finished report, waits for one being compiled, or compiles a queued or unknown target in the
+    calling thread itself, so a caller that needs a report never waits behind the queue. Reports and
+    failures are both kept: a target that failed fails every test that asks for it, as it would when
+    compiled there.
+    """
+
+    def __init__(self, workers: int = 1, batch: int = 2, timeout: float = 600.0, nice: int = 10,
+                 compiler: Callable[..., dict[str, PtxReport | Exception]] | None = None):
+        self.workers, self.batch, self.timeout, self.nice = workers, batch, timeout, nice
+        self._compiler = compiler or ptx_reports  # bound now: a later monkeypatch cannot reach it
+        self._lock = threading.Condition()
+        self._done: dict[tuple[str, str], PtxReport | Exception] = {}
+        self._running: set[tuple[str, str]] = set()
+        self._queue: list[tuple[str, list[str]]] = []
+        self._procs: set[subprocess.Popen] = set()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    def prefetch(self, pairs) -> None:
+        by_module: dict[str, list[str]] = {}
+        with self._lock:
+            for module, target in pairs:
+                key = (module, target)
+                known = key in self._done or key in self._running or any(
+                    m == module and target in ts for m, ts in self._queue)
+                if not known and target not in by_module.setdefault(module, []):
+                    by_module[module].append(target)
+            for module, targets in by_module.items():
+                for i in range(0, len(targets), self.batch):
+                    self._queue.append((module, targets[i:i + self.batch]))
+            while len(self._threads) < self.workers and self._queue:
+                th = threading.Thread(target=self._work, daemon=True, name="ptx-prefetch")
+                self._threads.append(th)
+                th.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or not self._queue:
+                    self._threads.remove(threading.current_thread())
+                    return
+                module, targets = self._queue.pop(0)
+                self._running.update((module, t) for t in targets)
+            self._compile(module, targets, self.nice)
+
+    def _compile(self, module: str, targets: list[str], nice: int = 0) -> None:
+        def started(proc: subprocess.Popen) -> None:
+            with self._lock:
+                self._procs.add(proc)
+
+        results: dict = {}
+        try:
+            results = self._compiler(module, targets, self.timeout, started, nice)
+        except BaseException as exc:  # noqa: BLE001 - e.g. the child could not start
+            results = {t: exc if isinstance(exc, Exception) else RuntimeError(f"interrupted: {exc!r}")
+                       for t in targets}
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._finish(module, targets, results)
+
+    def _finish(self, module: str, targets: list[str], results: dict) -> None:
+        with self._lock:
+            self._procs.difference_update(p for p in list(self._procs) if p.poll() is not None)
+            for t in targets:
+                self._done[(module, t)] = results.get(t, RuntimeError(f"{module}:{t} was not compiled"))
+                self._running.discard((module, t))
+            self._lock.notify_all()
+
+    def get(self, module: str, target: str) -> PtxReport:
+        key = (module, target)
+        with self._lock:
+            while key in self._running:
+                self._lock.wait()
+            if key not in self._done:
+                for entry in self._queue:  # queued: take this target out and compile it here
+                    if entry[0] == module and target in entry[1]:
+                        entry[1].remove(target)
+                        if not entry[1]:
+                            self._queue.remove(entry)
+                        break
+                self._running.add(key)
+                compile_here = True
+            else:
+                compile_here = False
+        if compile_here:
+            self._compile(module, [target])
+        with self._lock:
+            result = self._done[key]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def close(self) -> None:
+        """Drop what is queued and stop the children still compiling (end of the session)."""
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            procs = list(self._procs)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+_shared_cache: ReportCache | None = None
+
+
+def share_reports(cache: ReportCache | None) -> None:
+    """Make ``ptx_report`` answer from ``cache`` (``None``: compile on every call again)."""
+    global _shared_cache
+    _shared_cache = cache
 
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "--child":
-        _child(*argv[1:4])
+        _child(argv[1], argv[2], argv[3:])
         return 0
     module, target = argv[0], argv[1] if len(argv) > 1 else "default"
     rep = ptx_report(module, target)
