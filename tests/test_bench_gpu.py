@@ -78,6 +78,25 @@ def test_timer_eager_graph_and_failed_capture():
     torch.cuda.synchronize()
 
 
+def test_failed_captures_do_not_keep_memory():
+    """What an op allocates before the host sync that breaks its capture is given back (the private
+    pool of the failed graph is released): five failures of an op that allocates 512 MiB first must
+    not leave GBs reserved."""
+    timer = Timer("cuda", TimingSettings(max_reps=3, max_time_s=0.01))
+
+    def op():
+        big = torch.empty(128 << 20, dtype=torch.float32, device="cuda")  # 512 MiB
+        return big.sum().item()  # a host sync: capture fails after the allocation
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    for _ in range(5):
+        assert timer.graph(op).note.startswith("capture failed")
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() - before < (1 << 30), torch.cuda.memory_summary()
+
+
 def test_tiny_run_end_to_end(tmp_path):
     path = tmp_path / "gpu_tiny.toml"
     path.write_text(TINY)

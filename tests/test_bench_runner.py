@@ -350,3 +350,50 @@ def test_oracle_other_errors_and_cpu_runs_are_not_retried(device, message):
     with pytest.raises(RuntimeError, match=message):
         runner._oracle_with_retry(oracle, "inp", device)
     assert len(calls) == 1
+
+
+def test_failed_capture_releases_its_memory_pool(monkeypatch):
+    """A capture that fails (host sync inside the op) hands its private memory pool back: otherwise
+    every failed capture keeps what the op allocated while being captured (the growth that made the
+    fp32 oracle run out of memory in the varlen rows of the 2026-12-03 kda run). No GPU: torch.cuda's
+    pieces are stand-ins that record what the timer does."""
+    import contextlib
+
+    import torch
+
+    from cula.bench.timing import Timer
+
+    released, emptied = [], []
+
+    class FakeGraph:
+        def pool(self):
+            return (7, 3)
+
+    class FakeStream:
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def fake_graph_ctx(graph):
+        yield  # the op inside raises, as a host sync during capture does
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph_ctx)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda dev, pool: released.append((dev, pool)),
+                        raising=False)
+    calls = []
+
+    def op():
+        calls.append(1)
+        if len(calls) > 2:  # the two warm-up calls pass, the captured one syncs the host
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    t = Timer("cuda", TimingSettings()).graph(op)
+    assert math.isnan(t.median_ms) and t.note.startswith("capture failed")
+    assert released == [(0, (7, 3))] and emptied

@@ -138,6 +138,7 @@ class Timer:
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        graph = None
         try:
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm-up on the capture stream, as graph capture requires
@@ -155,6 +156,8 @@ class Timer:
                 torch.cuda.synchronize()
             except Exception as sync_exc:  # the context is unusable: stop the run, rows are kept
                 raise RuntimeError(f"CUDA context broken after a failed graph capture: {_short(sync_exc)}") from exc
+            if graph is not None:
+                release_failed_capture(graph)
             return Timing(note=reason)
         try:
             graph.replay()
@@ -220,3 +223,23 @@ def measure_ceilings(device: str, seconds: float = 2.0) -> tuple[float, float, s
             f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} {n}^3 matmul")
     del src, dst, a, b
     return tbps, tflops, what
+
+
+def release_failed_capture(graph: Any) -> None:
+    """Give back the memory a failed capture allocated.
+
+    Everything an op allocates while being captured comes from the graph's private memory pool, and a
+    graph whose capture never ended does not release that pool when it dies. Runs whose varlen rows
+    failed capture (ops that sync the host) grew by ~13 GB of "non-PyTorch" device memory per config
+    (the ``gpu_mem_used_gib`` column of run 20261203-070755-h200-4aa088a-2790, while live tensors
+    stayed at 1-2 GB) until the oracle ran out of memory. Releasing the pool lets ``empty_cache`` return
+    it once its blocks are free. Best effort: an older torch without these internals keeps the leak.
+    """
+    import torch
+
+    try:
+        pool = graph.pool()
+        torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
+    except Exception:  # noqa: BLE001 - internals differ across torch versions; never fail a run here
+        return
+    torch.cuda.empty_cache()
