@@ -370,3 +370,14 @@ def test_host_path_passes_one_value_per_spec(monkeypatch, cu, tc):
         assert len(values) == len(specs)
         for spec, value in zip(specs, values):
             assert isinstance(value, float if spec.kind == "f32" else int), (kind, spec)
+
+
+def test_tables_built_during_graph_capture_are_not_cached(monkeypatch):
+    """Tensors made inside a CUDA-graph capture get their values only when the graph runs: tables
+    built then must not be served to later eager calls."""
+    monkeypatch.setattr(kda_fwd, "_capturing", lambda: True)
+    cu = torch.tensor([0, 5, 70], dtype=torch.int32)
+    first = kda_fwd.varlen_tables(cu, 70)[0]
+    assert kda_fwd.varlen_tables(cu, 70)[0] is not first
+    a = kda_fwd.fixed_length_tables(3, 77, "cpu")[0]
+    assert kda_fwd.fixed_length_tables(3, 77, "cpu")[0] is not a

@@ -140,7 +140,8 @@ def fixed_length_tables(B: int, T: int, device) -> tuple[torch.Tensor, torch.Ten
     if tables is None:
         chunks, seqs, nc = chunk_tables(torch.arange(B + 1, dtype=torch.int64) * T)
         tables = (chunks.to(device), seqs.to(device), nc)
-        _FIXED_TABLES[key] = tables
+        if not _capturing():  # copies made inside a capture hold their values only once it runs
+            _FIXED_TABLES[key] = tables
     return tables
 
 
@@ -180,10 +181,17 @@ def varlen_tables(cu_seqlens: torch.Tensor, total_tokens: int) -> tuple[torch.Te
     chunks = torch.stack([tok0, nvalid], 1).to(torch.int32)
     seqs = torch.stack([first, nch], 1).to(torch.int32)
     tables = (chunks, seqs, nc_max)
+    if _capturing():  # built inside a CUDA-graph capture: the values exist only once the graph runs
+        return tables
     if len(_VARLEN_TABLES) >= _VARLEN_CACHE_SIZE:
         _VARLEN_TABLES.pop(next(iter(_VARLEN_TABLES)))
     _VARLEN_TABLES[id(cu_seqlens)] = (cu_seqlens, cu_seqlens._version, total_tokens, tables)
     return tables
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (nothing cached then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 _DUMMY: dict[str, torch.Tensor] = {}
