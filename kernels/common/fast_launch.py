@@ -185,3 +185,11 @@ def current_stream_handle(device_index: int) -> int:
     if raw is not None:
         return int(raw(device_index))
     return int(torch.cuda.current_stream(device_index).cuda_stream)
+
+
+def stream_capturing() -> bool:
+    """Whether torch's current CUDA stream is being captured into a graph: tensors made now get their
+    values only when the graph runs, so host-side caches must not keep them."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -191,7 +191,9 @@ def varlen_tables(cu_seqlens: torch.Tensor, total_tokens: int) -> tuple[torch.Te
 
 def _capturing() -> bool:
     """Whether the current CUDA stream is being captured into a graph (nothing cached then)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    from cula.kernels.common.fast_launch import stream_capturing
+
+    return stream_capturing()
 
 
 _DUMMY: dict[str, torch.Tensor] = {}
@@ -337,8 +339,7 @@ def _ptr(t: torch.Tensor, align: int = 16):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    if t.data_ptr() % align:
-        raise ValueError(f"tensor data pointer {t.data_ptr():#x} is not {align}-byte aligned")
+    _check_aligned((t, align))
     dtype = _cute_dtype(t.dtype)
     return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
@@ -481,7 +482,6 @@ def kda_fwd(
         tc_flags = dict(use_qk_l2norm=True, has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
                         use_beta_sigmoid=bool(use_beta_sigmoid_in_kernel),
                         allow_neg_eigval=bool(allow_neg_eigval), group=HV // H)
-        intra_tc._compile_without_driver()
         _launcher("intra_tc", (tuple(sorted(tc_flags.items())), dts), lambda: intra_tc.KdaFwdIntraTC(**tc_flags),
                   _intra_specs(*dts))(*intra_values)
     elif "intra" in stages:
@@ -492,8 +492,6 @@ def kda_fwd(
             use_beta_sigmoid=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval),
             group=HV // H, inverse=INTRA_INVERSE, variant=INTRA_VARIANT,
         )
-        if INTRA_VARIANT != "v1":
-            intra._compile_without_driver()
         _launcher("intra", (tuple(sorted(flags.items())), dts), lambda: intra.KdaFwdIntra(**flags),
                   _intra_specs(*dts))(*intra_values)
 

@@ -177,6 +177,8 @@ def main(argv: list[str]) -> int:
         from fla.ops.kda import chunk_kda
     except Exception:  # noqa: BLE001
         chunk_kda = None
+    from cula.kernels.sm90.kda_fwd import intra_kind
+
     n_ok = 0
     t0 = time.time()
     deadline = float(argv[argv.index("--deadline") + 1]) if "--deadline" in argv else 1e9
@@ -217,8 +219,6 @@ def main(argv: list[str]) -> int:
             print(f"case {case[0]}: EXCEPTION\n{traceback.format_exc()[-3000:]}", flush=True)
             continue
         n_ok += ok
-        from cula.kernels.sm90.kda_fwd import intra_kind
-
         fl = case[-1]
         kind = intra_kind(fl.get("use_qk_l2norm_in_kernel", False), fl.get("use_gate_in_kernel", False),
                           fl.get("lower_bound"))

@@ -503,8 +503,9 @@ def _fixed_length_aux(B: int, T: int, device) -> tuple[torch.Tensor, torch.Tenso
         cu = torch.arange(0, B + 1, device=device, dtype=torch.int32) * T
         order = torch.arange(B, device=device, dtype=torch.int32)
         aux = (cu, order)
-        # made inside a CUDA-graph capture, these hold their values only once the graph runs
-        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        from cula.kernels.common.fast_launch import stream_capturing
+
+        if not stream_capturing():  # made inside a capture, these hold their values only once it runs
             _AUX[key] = aux
     return aux
 
