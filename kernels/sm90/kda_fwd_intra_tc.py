@@ -466,7 +466,7 @@ class KdaFwdIntraTC:
             use = F32(0.0)
             if warp > jb:
                 use = F32(1.0)
-            p = warp * (warp - 1) // 2 + jb  # pair_index(warp, jb); in range for every warp
+            p = pair_index(warp, jb)  # in range for every warp (the rows of warps <= jb are zeroed)
             rAk = cute.make_rmem_tensor(a_operand_layout(c128.layout), BF16)
             rAq = cute.make_rmem_tensor(a_operand_layout(c128.layout), BF16)
             rAk_c = cute.make_tensor(rAk.iterator, c128.layout)
