@@ -123,14 +123,9 @@ def test_tc_layout_facts():
     the off-diagonal blocks are register ranges of the m64n64 one, the A registers filled through the
     m64n128 C coordinates are the RS operand's elements, and the operand tiles' swizzle is S<3,4,3>."""
     pytest.importorskip("cutlass")
-    import json
-    import os
-    import subprocess
-    import sys
+    from _layout_facts import layout_facts
 
-    proc = subprocess.run([sys.executable, "-m", "cula.kernels.sm90.kda_fwd_intra_tc", "--layout-facts"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"})
-    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    facts = layout_facts("cula.kernels.sm90.kda_fwd_intra_tc")
     assert facts["combine_mismatches"] == 0
     assert facts["a_register_mismatches"] == 0
     assert facts["x_is_a_transposed"] and facts["w_staging_is_a"]
@@ -142,14 +137,9 @@ def test_recur_v2_layout_facts():
     A operands element for element, each warp's accumulator rows are its 16 v (its o staging tile,
     covered exactly once), and the u / o shared-memory accesses are free of bank conflicts."""
     pytest.importorskip("cutlass")
-    import json
-    import os
-    import subprocess
-    import sys
+    from _layout_facts import layout_facts
 
-    proc = subprocess.run([sys.executable, "-m", "cula.kernels.sm90.kda_fwd_recur", "--layout-facts"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"})
-    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    facts = layout_facts("cula.kernels.sm90.kda_fwd_recur")
     assert facts["a_register_mismatches"] == 0
     assert facts["warp_row_mismatches"] == 0 and facts["o_staging_exact_cover"]
     assert facts["u_read_conflicts"] == facts["o_write_conflicts"] == facts["o_read_conflicts"] == 0

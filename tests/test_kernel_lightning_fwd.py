@@ -42,13 +42,9 @@ def test_compiles_to_clean_sm90a_ptx(target):
 
 def test_layout_facts_the_raw_pointer_passes_rely_on():
     """P reuses the score registers; K^T is a canonical A tile; V rows are tokens; sO is row-major."""
-    import json
-    import subprocess
-    import sys
+    from _layout_facts import layout_facts
 
-    proc = subprocess.run([sys.executable, "-m", "cula.kernels.sm90.lightning_fwd_check", "--layout-facts"],
-                          capture_output=True, text=True, timeout=300)
-    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    facts = layout_facts("cula.kernels.sm90.lightning_fwd_check")
     assert facts["p_reuse_mismatches"] == 0
     assert facts["kt_is_canonical_a"]
     swizzle_bits = {"S<3,4,3>": 7, "S<2,4,3>": 3}

@@ -756,12 +756,6 @@ def layout_facts() -> dict:
     assume: the bf16 copies of the Sᵀ / v_newᵀ accumulators are the RS products' A operands element for
     element; a warp's accumulator rows are its 16 v of the tile (the o staging tile); the u and o
     accesses are free of bank conflicts."""
-    import os
-
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    from cutlass.base_dsl.compiler import Compiler
-
-    Compiler._check_cuda_dependencies_once = lambda *a, **k: None
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     kmaj = utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
     rmem = warpgroup.OperandSource.RMEM
@@ -821,12 +815,9 @@ def layout_facts() -> dict:
         facts["u_tile_is_aqk_tile"] = str(t64) == str(
             sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (BV, CHUNK, BV), bf16, 1))
 
-    try:
-        cute.compile(trace)
-    except Exception:
-        if not facts:  # failed while tracing, not at the (expected) JIT load without a driver
-            raise
-    return facts
+    from cula.kernels.common.ptx_check import trace_without_gpu
+
+    return trace_without_gpu(trace, facts)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -162,10 +162,7 @@ def layout_facts() -> dict:
     """
     import os
 
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    from cutlass.base_dsl.compiler import Compiler
-
-    Compiler._check_cuda_dependencies_once = lambda *a, **k: None
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the first cutlass import
     import cutlass
     import cutlass.cute as cute
     import cutlass.utils as utils
@@ -209,12 +206,9 @@ def layout_facts() -> dict:
             facts[f"o_swizzle_{vt}"] = str(o_layout.inner)
             facts[f"kernel_swizzle_mask_{vt}"] = LightningFwdSm90(vt).swizzle_mask
 
-    try:
-        cute.compile(trace)
-    except Exception:
-        if not facts:  # failed during tracing, not at the (expected) JIT load without a driver
-            raise
-    return facts
+    from cula.kernels.common.ptx_check import trace_without_gpu
+
+    return trace_without_gpu(trace, facts)
 
 
 def moved_bytes(inp: dict) -> int:
