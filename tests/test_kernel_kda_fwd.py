@@ -371,3 +371,14 @@ def test_tables_built_during_graph_capture_are_not_cached(monkeypatch):
     assert kda_fwd.varlen_tables(cu, 70)[0] is not first
     a = kda_fwd.fixed_length_tables(3, 77, "cpu")[0]
     assert kda_fwd.fixed_length_tables(3, 77, "cpu")[0] is not a
+
+
+def test_misaligned_views_are_named_for_the_fallback():
+    """A view at an odd element offset cannot feed the 16-byte accesses: supports() names it (dispatch
+    then falls back to FLA with one warning) instead of the launch failing."""
+    base = torch.zeros(2 * 64 * 128 + 1, dtype=torch.bfloat16)
+    odd = base[1:].view(1, 2, 64, 128)
+    ok = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
+    assert kda_fwd._misaligned(q=ok, k=ok, v=ok, g=ok, beta=None, initial_state=None) is None
+    reason = kda_fwd._misaligned(q=ok, k=odd, v=ok, g=ok, beta=None, initial_state=None)
+    assert reason.startswith("k data pointer is not 16-byte aligned")

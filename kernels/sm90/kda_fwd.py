@@ -95,6 +95,21 @@ def supports(
     too_big = _too_big(q.shape[0] * q.shape[1], v.shape[2], cu_seqlens, q.shape[0])
     if too_big:
         return f"cula-sm90 kda_fwd: {too_big}"
+    misaligned = _misaligned(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    if misaligned:
+        return f"cula-sm90 kda_fwd: {misaligned}"
+    return None
+
+
+#: Byte alignment the kernels are compiled for (16-byte vector and TMA accesses; beta is read by element).
+_ALIGN = dict(q=16, k=16, v=16, g=16, beta=4, initial_state=16)
+
+
+def _misaligned(**tensors) -> str | None:
+    """Which input's data pointer the compiled kernels cannot take (views at odd offsets), or None."""
+    for name, t in tensors.items():
+        if t is not None and t.data_ptr() % _ALIGN[name]:
+            return f"{name} data pointer is not {_ALIGN[name]}-byte aligned (a view at an odd offset)"
     return None
 
 
