@@ -75,6 +75,7 @@ def test_timer_eager_graph_and_failed_capture():
     bad = timer.graph(lambda: (x @ x).sum().item())  # a host sync cannot be captured
     assert math.isnan(bad.median_ms) and bad.note.startswith("capture failed"), bad
     assert (x @ x).shape == (256, 256)  # the context still works
+    assert torch.randn(8, device="cuda").isfinite().all()  # and so does the RNG
     torch.cuda.synchronize()
 
 
@@ -95,6 +96,8 @@ def test_failed_captures_do_not_keep_memory():
         assert timer.graph(op).note.startswith("capture failed")
     torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved() - before < (1 << 30), torch.cuda.memory_summary()
+    # the RNG left capture mode with the failed graphs (the next config's randn raised before)
+    assert torch.randn(8, device="cuda").isfinite().all()
 
 
 def test_tiny_run_end_to_end(tmp_path):

@@ -361,9 +361,10 @@ def test_failed_capture_releases_its_memory_pool(monkeypatch):
 
     import torch
 
+    from cula.bench import timing
     from cula.bench.timing import Timer
 
-    released, emptied = [], []
+    released, emptied, rng_reset = [], [], []
 
     class FakeGraph:
         def pool(self):
@@ -387,6 +388,7 @@ def test_failed_capture_releases_its_memory_pool(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda dev, pool: released.append((dev, pool)),
                         raising=False)
+    monkeypatch.setattr(timing, "_end_generator_capture", lambda: rng_reset.append(True))
     calls = []
 
     def op():
@@ -397,3 +399,4 @@ def test_failed_capture_releases_its_memory_pool(monkeypatch):
     t = Timer("cuda", TimingSettings()).graph(op)
     assert math.isnan(t.median_ms) and t.note.startswith("capture failed")
     assert released == [(0, (7, 3))] and emptied
+    assert rng_reset, "the CUDA RNG must be taken out of capture mode, or the next randn raises"

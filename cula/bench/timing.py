@@ -139,6 +139,7 @@ class Timer:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         graph = None
+        failure = None
         try:
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm-up on the capture stream, as graph capture requires
@@ -149,16 +150,20 @@ class Timer:
                 fn()
         except Exception as exc:  # capture is best effort: record why and go on
             root = _root_cause(exc)
-            reason = f"capture failed: {_short(root)}"
+            failure = f"capture failed: {_short(root)}"
             if root is not exc:
-                reason += f" (then {_short(exc)})"
+                failure += f" (then {_short(exc)})"
+            # The exception's traceback holds the op's frames, hence the tensors it allocated in the
+            # graph's pool; keeping `root` here would make a cycle through this frame.
+            del root
+        if failure is not None:
             try:
                 torch.cuda.synchronize()
             except Exception as sync_exc:  # the context is unusable: stop the run, rows are kept
-                raise RuntimeError(f"CUDA context broken after a failed graph capture: {_short(sync_exc)}") from exc
+                raise RuntimeError(f"CUDA context broken after a failed graph capture: {_short(sync_exc)}") from None
             if graph is not None:
                 release_failed_capture(graph)
-            return Timing(note=reason)
+            return Timing(note=failure)
         try:
             graph.replay()
             torch.cuda.synchronize()
@@ -237,9 +242,33 @@ def release_failed_capture(graph: Any) -> None:
     """
     import torch
 
+    import gc
+
+    gc.collect()  # tensors the op allocated may still sit in collectable exception/frame cycles
     try:
         pool = graph.pool()
         torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
     except Exception:  # noqa: BLE001 - internals differ across torch versions; never fail a run here
-        return
+        pass
+    _end_generator_capture()
     torch.cuda.empty_cache()
+
+
+def _end_generator_capture() -> None:
+    """Take the CUDA RNG out of capture mode after a capture that never ended.
+
+    ``capture_end`` raises on an invalidated capture before it tells the registered generator that
+    capture is over, so every later RNG call (``torch.randn`` of the next config's inputs) fails with
+    "Offset increment outside graph capture encountered unexpectedly" (seen on the H200, torch 2.11).
+    A capture that does end resets that state: capture one tiny op and drop the graph.
+    """
+    import torch
+
+    x = torch.zeros(1, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side):
+        x.add_(1)
+    torch.cuda.current_stream().wait_stream(side)
+    del g
