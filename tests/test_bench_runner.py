@@ -367,21 +367,23 @@ def test_failed_capture_releases_its_memory_pool(monkeypatch):
     released, emptied, rng_reset = [], [], []
 
     class FakeGraph:
-        def pool(self):
-            return (7, 3)
+        def pool(self):  # torch refuses pool() after a failed capture
+            raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture.")
 
     class FakeStream:
         def wait_stream(self, other):
             pass
 
     @contextlib.contextmanager
-    def fake_graph_ctx(graph):
+    def fake_graph_ctx(graph, pool=None):
+        assert pool == (7, 3), "the capture must allocate from the pool the timer releases"
         yield  # the op inside raises, as a host sync during capture does
 
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: FakeStream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (7, 3))
     monkeypatch.setattr(torch.cuda, "graph", fake_graph_ctx)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -140,13 +140,16 @@ class Timer:
         side.wait_stream(torch.cuda.current_stream())
         graph = None
         failure = None
+        # Our own pool id: a failed capture's CUDAGraph refuses pool() ("without a preceding
+        # successful capture"), and this id is what release_failed_capture must hand back.
+        pool = torch.cuda.graph_pool_handle()
         try:
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm-up on the capture stream, as graph capture requires
                     fn()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=pool):
                 fn()
         except Exception as exc:  # capture is best effort: record why and go on
             root = _root_cause(exc)
@@ -162,7 +165,7 @@ class Timer:
             except Exception as sync_exc:  # the context is unusable: stop the run, rows are kept
                 raise RuntimeError(f"CUDA context broken after a failed graph capture: {_short(sync_exc)}") from None
             if graph is not None:
-                release_failed_capture(graph)
+                release_failed_capture(pool)
             return Timing(note=failure)
         try:
             graph.replay()
@@ -230,7 +233,7 @@ def measure_ceilings(device: str, seconds: float = 2.0) -> tuple[float, float, s
     return tbps, tflops, what
 
 
-def release_failed_capture(graph: Any) -> None:
+def release_failed_capture(pool: Any) -> None:
     """Give back the memory a failed capture allocated.
 
     Everything an op allocates while being captured comes from the graph's private memory pool, and a
@@ -240,13 +243,12 @@ def release_failed_capture(graph: Any) -> None:
     stayed at 1-2 GB) until the oracle ran out of memory. Releasing the pool lets ``empty_cache`` return
     it once its blocks are free. Best effort: an older torch without these internals keeps the leak.
     """
-    import torch
-
     import gc
+
+    import torch
 
     gc.collect()  # tensors the op allocated may still sit in collectable exception/frame cycles
     try:
-        pool = graph.pool()
         torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
     except Exception:  # noqa: BLE001 - internals differ across torch versions; never fail a run here
         pass
