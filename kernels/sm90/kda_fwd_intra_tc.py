@@ -56,7 +56,11 @@ ROWS_PER_THREAD = 8  # pointwise phase: 8 consecutive rows ...
 COLS_PER_THREAD = 8  # ... x 8 consecutive columns (one 16-byte bf16 vector per row)
 GROUPS = CHUNK // ROWS_PER_THREAD  # 8 row groups of 8; group g is lanes 16(g%2).. of warp g//2
 CTAS_PER_SM = 2  # ~104 KB smem and <= 255 registers each: two chunks in flight per SM
-PAD = CHUNK + 1  # fp32 row pitch of the 64x64 matrices of the inverse (conflict-free columns)
+PAD = CHUNK + 4  # fp32 row pitch of the 64x64 matrices of the inverse: 16-byte rows, rows 4 apart on other banks
+YPAD = 2 * SUB  # fp32 row pitch of the inverse's 32x32 scratch Y
+#: fp32 elements by which the padded 64x64 matrices overrun their 16 KB operand tiles (sA into sQa, sT into
+#: sKh); the inverse's scratch Y starts after sA's overrun
+INV_SPILL = CHUNK * PAD - CHUNK * DK // 2
 PAIRS = ((1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (3, 2))  # (I, J) off-diagonal block pairs, I > J
 RCP_LN2 = 1.0 / math.log(2.0)
 L2NORM_EPS = 1e-6
@@ -242,13 +246,13 @@ class KdaFwdIntraTC:
         sC = st.sC.get_tensor(cute.make_layout((len(PAIRS), DK), stride=(DK, 1)))
         sBeta = st.sBeta.get_tensor(cute.make_layout(CHUNK))
         # after the products of phase 3 the operand tiles are dead: the inverse and the aqk staging
-        # reuse them (sA spills 256 B into sQa, sT 256 B into sKh; see the budget in kda_fwd.md)
+        # reuse them (sA overruns 1 KB into sQa, Y follows; sT 1 KB into sKh, before the aqk staging at 2 KB)
         f32_base_ka = cute.recast_ptr(st.sKa.data_ptr(), dtype=F32)
         f32_base_qa = cute.recast_ptr(st.sQa.data_ptr(), dtype=F32)
         f32_base_kt = cute.recast_ptr(st.sKt.data_ptr(), dtype=F32)
         sA = cute.make_tensor(f32_base_ka, cute.make_layout((CHUNK, CHUNK), stride=(PAD, 1)))
         sT = cute.make_tensor(f32_base_kt, cute.make_layout((CHUNK, CHUNK), stride=(PAD, 1)))
-        sY = cute.make_tensor(f32_base_qa + 128, cute.make_layout((2 * SUB, 2 * SUB), stride=(2 * SUB + 1, 1)))
+        sY = cute.make_tensor(f32_base_qa + INV_SPILL, cute.make_layout((2 * SUB, 2 * SUB), stride=(YPAD, 1)))
         tb_raw = st.sQa.data_ptr() + CHUNK * DK // 2  # 8 KB into sQa: 1024-byte aligned
         tb_ptr = cute.recast_ptr(tb_raw, swizzle_=tb_layout.inner, dtype=BF16)
         sTb = cute.make_tensor(tb_ptr, tb_layout.outer)
@@ -462,27 +466,30 @@ class KdaFwdIntraTC:
             acc_ok.append(thr_o.make_fragment_C(thr_o.partition_shape_C((CHUNK, SUB))))
             acc_oq.append(thr_o.make_fragment_C(thr_o.partition_shape_C((CHUNK, SUB))))
         for jb in cutlass.range_constexpr(NBLK - 1):
-            # rows of warp I > J: Ka ⊙ 2^(C_I − E_J) = k̂ 2^(Γ − E_J) <= 1; rows of warps I <= J: 0
-            use = F32(0.0)
-            if warp > jb:
-                use = F32(1.0)
-            p = pair_index(warp, jb)  # in range for every warp (the rows of warps <= jb are zeroed)
+            # rows of warp I > J: Ka ⊙ 2^(C_I − E_J) = k̂ 2^(Γ − E_J) <= 1. Warps I <= J only take part
+            # in the warpgroup-wide wgmma: their rows of the product are never read, so they skip the
+            # build (half of this phase's work) and feed zeros.
             rAk = cute.make_rmem_tensor(a_operand_layout(c128.layout), BF16)
             rAq = cute.make_rmem_tensor(a_operand_layout(c128.layout), BF16)
-            rAk_c = cute.make_tensor(rAk.iterator, c128.layout)
-            rAq_c = cute.make_tensor(rAq.iterator, c128.layout)
-            # values e, e + 1 of a C fragment are columns d, d + 1 of one row: one 4-byte load each
-            two_k = cute.make_rmem_tensor(cute.make_layout(2), BF16)
-            two_q = cute.make_rmem_tensor(cute.make_layout(2), BF16)
-            for e in cutlass.range_constexpr(0, cute.size(c128), 2):
-                i, d = cA[e]
-                off = cute.assume(_swizzled_offset(a_layout, (i, d, 0)), divby=2)
-                two_k.store(cute.make_tensor(ka_raw + off, cute.make_layout(2)).load())
-                two_q.store(cute.make_tensor(qa_raw + off, cute.make_layout(2)).load())
-                for h in cutlass.range_constexpr(2):
-                    f = sC[p, d + h] * use
-                    rAk_c[e + h] = (two_k[h].to(F32) * f).to(BF16)
-                    rAq_c[e + h] = (two_q[h].to(F32) * f).to(BF16)
+            if warp > jb:
+                p = pair_index(warp, jb)
+                rAk_c = cute.make_tensor(rAk.iterator, c128.layout)
+                rAq_c = cute.make_tensor(rAq.iterator, c128.layout)
+                # values e, e + 1 of a C fragment are columns d, d + 1 of one row: one 4-byte load each
+                two_k = cute.make_rmem_tensor(cute.make_layout(2), BF16)
+                two_q = cute.make_rmem_tensor(cute.make_layout(2), BF16)
+                for e in cutlass.range_constexpr(0, cute.size(c128), 2):
+                    i, d = cA[e]
+                    off = cute.assume(_swizzled_offset(a_layout, (i, d, 0)), divby=2)
+                    two_k.store(cute.make_tensor(ka_raw + off, cute.make_layout(2)).load())
+                    two_q.store(cute.make_tensor(qa_raw + off, cute.make_layout(2)).load())
+                    for h in cutlass.range_constexpr(2):
+                        f = sC[p, d + h]
+                        rAk_c[e + h] = (two_k[h].to(F32) * f).to(BF16)
+                        rAq_c[e + h] = (two_q[h].to(F32) * f).to(BF16)
+            else:
+                rAk.fill(0.0)
+                rAq.fill(0.0)
             warpgroup.fence()
             for kb in cutlass.range_constexpr(cute.size(rAk, mode=[2])):
                 mma_off.set(warpgroup.Field.ACCUMULATE, kb != 0)
@@ -534,11 +541,16 @@ class KdaFwdIntraTC:
         # T' = T diag(β) in bf16 (upper blocks zero): the A operand of w and u
         ti = tidx // 2
         tj0 = (tidx % 2) * (CHUNK // 2)
+        t8 = cute.make_rmem_tensor(cute.make_layout((2, 4), stride=(4, 1)), F32)
+        b8 = cute.make_rmem_tensor(cute.make_layout((2, 4), stride=(4, 1)), F32)
         for v8 in cutlass.range_constexpr(CHUNK // 2 // 8):
             j0 = tj0 + v8 * 8
+            for h in cutlass.range_constexpr(2):
+                cute.autovec_copy(_fvec(sT.iterator, ti * PAD + j0 + 4 * h, 4), t8[h, None])
+                cute.autovec_copy(_fvec(sBeta.iterator, j0 + 4 * h, 4), b8[h, None])
             tv = cute.make_rmem_tensor(cute.make_layout(8), F32)
             for c in cutlass.range_constexpr(8):
-                tv[c] = sT[ti, j0 + c] * sBeta[j0 + c]
+                tv[c] = t8[c // 4, c % 4] * b8[c // 4, c % 4]
                 if j0 // SUB > ti // SUB:
                     tv[c] = F32(0.0)
             obf.store(tv.load().to(BF16))
@@ -586,27 +598,38 @@ class KdaFwdIntraTC:
 
     @cute.jit
     def invert(self, sA: cute.Tensor, sT: cute.Tensor, sY: cute.Tensor, warp, lane, tidx):
-        """sT <- (I + sA)^-1 on and below the diagonal blocks (sA strictly lower, fp32).
+        """sT <- (I + sA)^-1 on and below the diagonal blocks (sA strictly lower, fp32, row pitch PAD).
 
         1. warp w, lanes 0..15: column ``lane`` of the 16x16 diagonal block w by forward substitution
-           (lanes 16..31 of warps 0 and 2 zero the blocks (0,1) and (2,3), which steps 3a/3b read);
+           (lanes 16..31 of warps 0 and 2 zero the blocks (0,1) and (2,3), which steps 2/3 read);
         2. T_10 = −T_11 (A_10 T_00), T_32 = −T_33 (A_32 T_22);
         3. the lower-left 32x32 block: T_BA = −T_B (A_BA T_A), T_A / T_B the upper / lower 32x32
            diagonal blocks of T (lower block triangular, so L^-1 = [[T_A, 0], [−T_B A_BA T_A, T_B]]).
+
+        The products of steps 2-3 give each thread a small register tile (2x2, 4x2) and read rows of the
+        left factor as 16-byte vectors and pairs of the right one as 8-byte vectors: ~0.75 shared loads per
+        FMA instead of 2 (PAD and YPAD keep every such vector aligned).
         """
+        pA = sA.iterator
+        pT = sT.iterator
+        pY = sY.iterator
         base = warp * SUB
         if lane < SUB:
             col = cute.make_rmem_tensor(cute.make_layout(SUB), F32)
+            arow = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), F32)
             for i in cutlass.range_constexpr(SUB):
+                # row i of the diagonal block, columns 0 .. i-1 (as whole 4-vectors: the rest is unused)
+                for q in cutlass.range_constexpr((i + 3) // 4):
+                    cute.autovec_copy(_fvec(pA, (base + i) * PAD + base + 4 * q, 4), arow[q, None])
                 acc0 = F32(0.0)
                 acc1 = F32(0.0)  # two partial sums halve the dependency chain
                 if lane == i:
                     acc0 = F32(1.0)
                 for j in cutlass.range_constexpr(i):
                     if cutlass.const_expr(j % 2 == 0):
-                        acc0 = acc0 - sA[base + i, base + j] * col[j]
+                        acc0 = acc0 - arow[j // 4, j % 4] * col[j]
                     else:
-                        acc1 = acc1 - sA[base + i, base + j] * col[j]
+                        acc1 = acc1 - arow[j // 4, j % 4] * col[j]
                 col[i] = acc0 + acc1
                 sT[base + i, base + lane] = col[i]
         else:
@@ -614,45 +637,64 @@ class KdaFwdIntraTC:
                 for i in cutlass.range_constexpr(SUB):
                     sT[base + i, base + lane] = F32(0.0)
         cute.arch.sync_threads()
-        # step 2: two 16x16 blocks, 512 entries, 4 per thread; s // 2 picks the block
-        for s in cutlass.range_constexpr(4):
-            ib, jb = (1, 0) if s < 2 else (3, 2)
-            rem = tidx + THREADS * (s % 2)
-            r = rem // SUB
-            c = rem % SUB
-            acc = F32(0.0)
-            for kk in cutlass.range_constexpr(SUB):
-                acc = acc + sA[ib * SUB + r, jb * SUB + kk] * sT[jb * SUB + kk, jb * SUB + c]
-            sY[(s // 2) * SUB + r, c] = acc
+        # step 2: threads 0-63 block (1, 0), 64-127 block (3, 2); a thread owns rows 2rg, 2rg+1 and
+        # columns 2cp, 2cp+1 of the 16x16 result
+        bp = tidx // 64
+        ib = 2 * bp + 1
+        jb = 2 * bp
+        rg = (tidx % 64) // 8
+        cp = tidx % 8
+        acc2 = cute.make_rmem_tensor(cute.make_layout((2, 2), stride=(2, 1)), F32)
+        self._tile_product(pA, PAD, ib * SUB + 2 * rg, jb * SUB, pT, PAD, jb * SUB, jb * SUB + 2 * cp,
+                           SUB, 2, acc2)
+        for x in cutlass.range_constexpr(2):
+            cute.autovec_copy(acc2[x, None], _fvec(pY, (bp * SUB + 2 * rg + x) * YPAD + 2 * cp, 2))
         cute.arch.sync_threads()
-        for s in cutlass.range_constexpr(4):
-            ib, jb = (1, 0) if s < 2 else (3, 2)
-            rem = tidx + THREADS * (s % 2)
-            r = rem // SUB
-            c = rem % SUB
-            acc = F32(0.0)
-            for kk in cutlass.range_constexpr(SUB):
-                acc = acc + sT[ib * SUB + r, ib * SUB + kk] * sY[(s // 2) * SUB + kk, c]
-            sT[ib * SUB + r, jb * SUB + c] = -acc
+        self._tile_product(pT, PAD, ib * SUB + 2 * rg, ib * SUB, pY, YPAD, bp * SUB, 2 * cp, SUB, 2, acc2)
+        for x in cutlass.range_constexpr(2):
+            for y in cutlass.range_constexpr(2):
+                acc2[x, y] = -acc2[x, y]
+            cute.autovec_copy(acc2[x, None], _fvec(pT, (ib * SUB + 2 * rg + x) * PAD + jb * SUB + 2 * cp, 2))
         cute.arch.sync_threads()
-        # step 3: Y = A_BA T_A (32x32, k < 32), then T_BA = −T_B Y; thread = (row, lane)
+        # step 3: Y = A_BA T_A, then T_BA = −T_B Y (32x32 each, k < 32); a thread owns rows 4rg .. 4rg+3
+        # and columns 2cp, 2cp+1
         half = 2 * SUB
-        for s in cutlass.range_constexpr(half * half // THREADS):
-            r = tidx // 32 + s * (THREADS // 32)
-            c = lane
-            acc = F32(0.0)
-            for kk in cutlass.range_constexpr(half):
-                acc = acc + sA[half + r, kk] * sT[kk, c]
-            sY[r, c] = acc
+        rg3 = tidx // 16
+        cp3 = tidx % 16
+        acc3 = cute.make_rmem_tensor(cute.make_layout((4, 2), stride=(2, 1)), F32)
+        self._tile_product(pA, PAD, half + 4 * rg3, 0, pT, PAD, 0, 2 * cp3, half, 4, acc3)
+        for x in cutlass.range_constexpr(4):
+            cute.autovec_copy(acc3[x, None], _fvec(pY, (4 * rg3 + x) * YPAD + 2 * cp3, 2))
         cute.arch.sync_threads()
-        for s in cutlass.range_constexpr(half * half // THREADS):
-            r = tidx // 32 + s * (THREADS // 32)
-            c = lane
-            acc = F32(0.0)
-            for kk in cutlass.range_constexpr(half):
-                acc = acc + sT[half + r, half + kk] * sY[kk, c]
-            sT[half + r, c] = -acc
+        self._tile_product(pT, PAD, half + 4 * rg3, half, pY, YPAD, 0, 2 * cp3, half, 4, acc3)
+        for x in cutlass.range_constexpr(4):
+            for y in cutlass.range_constexpr(2):
+                acc3[x, y] = -acc3[x, y]
+            cute.autovec_copy(acc3[x, None], _fvec(pT, (half + 4 * rg3 + x) * PAD + 2 * cp3, 2))
         cute.arch.sync_threads()
+
+    @cute.jit
+    def _tile_product(self, pL: cute.Pointer, ldl: cutlass.Constexpr, row0, k0l, pR: cute.Pointer,
+                      ldr: cutlass.Constexpr, k0r, col0, nk: cutlass.Constexpr, nrows: cutlass.Constexpr,
+                      acc: cute.Tensor):
+        """acc[x, y] = Σ_{kk < nk} L[row0 + x, k0l + kk] · R[k0r + kk, col0 + y] (fp32, smem operands).
+
+        ``acc`` is a (nrows, 2) register tile; rows of L are read 4 columns at a time (16-byte loads),
+        R two columns at a time (8-byte loads). ``row0 * ldl + k0l`` and ``col0`` must be even and
+        ``k0l`` a multiple of 4.
+        """
+        acc.fill(0.0)
+        lrow = cute.make_rmem_tensor(cute.make_layout((nrows, 4), stride=(4, 1)), F32)
+        rpair = cute.make_rmem_tensor(cute.make_layout((4, 2), stride=(2, 1)), F32)
+        for q in cutlass.range_constexpr(nk // 4):
+            for x in cutlass.range_constexpr(nrows):
+                cute.autovec_copy(_fvec(pL, (row0 + x) * ldl + k0l + 4 * q, 4), lrow[x, None])
+            for h in cutlass.range_constexpr(4):
+                cute.autovec_copy(_fvec(pR, (k0r + 4 * q + h) * ldr + col0, 2), rpair[h, None])
+            for h in cutlass.range_constexpr(4):
+                for x in cutlass.range_constexpr(nrows):
+                    for y in cutlass.range_constexpr(2):
+                        acc[x, y] = acc[x, y] + lrow[x, h] * rpair[h, y]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -672,6 +714,13 @@ def _gemm_ss(mma: cute.TiledMma, acc: cute.Tensor, t_a: cute.Tensor, t_b: cute.T
 @cute.jit
 def _vec(ptr: cute.Pointer, off, n: cutlass.Constexpr) -> cute.Tensor:
     """``(n,)`` contiguous elements at ``ptr + off``, ``off`` a multiple of ``n`` (16-byte accesses)."""
+    return cute.make_tensor(ptr + cute.assume(off, divby=n), cute.make_layout(n))
+
+
+@cute.jit
+def _fvec(ptr: cute.Pointer, off, n: cutlass.Constexpr) -> cute.Tensor:
+    """``(n,)`` contiguous fp32 values of a shared-memory matrix at element offset ``off`` (a multiple
+    of ``n``, so a copy of it is one ``n * 4``-byte access)."""
     return cute.make_tensor(ptr + cute.assume(off, divby=n), cute.make_layout(n))
 
 
