@@ -118,3 +118,13 @@ def test_fast_path_can_be_turned_off():
 def test_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="kind"):
         ArgSpec("tensor")
+
+
+def test_null_launcher_is_fast_and_calls_nothing():
+    from cula.kernels.common.fast_launch import null_launcher
+
+    launch = null_launcher(SPECS)
+    assert launch.is_fast
+    for _ in range(3):
+        launch(0x1000, 0x2000, 7, 0.5, 0x99)
+    assert [c.value for c in launch._cells] == [0x1000, 0x2000, 7, 0.5, 0x99]

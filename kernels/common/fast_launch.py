@@ -177,6 +177,32 @@ class Launcher:
         self._capi, self._result, self._packed = capi, result, packed
 
 
+def null_launcher(specs: Sequence[ArgSpec]) -> Launcher:
+    """A :class:`Launcher` already on its fast path whose entry point is a C function that returns 0
+    without reading its arguments: what a launch costs the host minus the launch itself (the cells are
+    written and one ctypes call is made, as for a compiled kernel). For host-overhead measurements
+    and tests on machines without a GPU."""
+    launcher = Launcher(None, specs)
+    launcher._checked = True
+    launcher._result = ctypes.c_int32(0)
+    slots = [ctypes.addressof(c) for c in launcher._cells] + [ctypes.addressof(launcher._result)]
+    launcher._packed = (ctypes.c_void_p * len(slots))(*slots)
+    launcher._capi = _null_entry()
+    return launcher
+
+
+_NULL_ENTRY: list = []
+
+
+def _null_entry() -> Any:
+    # labs(long) returns its argument: a C call that ignores the packed array, typed as the DSL
+    # types its entry points (int32 result, one void** argument)
+    if not _NULL_ENTRY:
+        address = ctypes.cast(ctypes.CDLL(None).labs, ctypes.c_void_p).value
+        _NULL_ENTRY.append(ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p)(address))
+    return _NULL_ENTRY[0]
+
+
 def current_stream_handle(device_index: int) -> int:
     """The raw ``cudaStream_t`` of torch's current stream on ``device_index`` (cheapest query first)."""
     import torch
