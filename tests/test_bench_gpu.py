@@ -76,6 +76,7 @@ def test_timer_eager_graph_and_failed_capture():
     assert math.isnan(bad.median_ms) and bad.note.startswith("capture failed"), bad
     assert (x @ x).shape == (256, 256)  # the context still works
     assert torch.randn(8, device="cuda").isfinite().all()  # and so does the RNG
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()  # and work goes where it went before
     torch.cuda.synchronize()
 
 

@@ -364,7 +364,7 @@ def test_failed_capture_releases_its_memory_pool(monkeypatch):
     from cula.bench import timing
     from cula.bench.timing import Timer
 
-    released, emptied, rng_reset = [], [], []
+    released, emptied, rng_reset, restored = [], [], [], []
 
     class FakeGraph:
         def pool(self):  # torch refuses pool() after a failed capture
@@ -391,6 +391,7 @@ def test_failed_capture_releases_its_memory_pool(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda dev, pool: released.append((dev, pool)),
                         raising=False)
     monkeypatch.setattr(timing, "_end_generator_capture", lambda: rng_reset.append(True))
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: restored.append(s))
     calls = []
 
     def op():
@@ -402,3 +403,4 @@ def test_failed_capture_releases_its_memory_pool(monkeypatch):
     assert math.isnan(t.median_ms) and t.note.startswith("capture failed")
     assert released == [(0, (7, 3))] and emptied
     assert rng_reset, "the CUDA RNG must be taken out of capture mode, or the next randn raises"
+    assert len(restored) == 1 and isinstance(restored[0], FakeStream), "the caller's stream is current again"

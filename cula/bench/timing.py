@@ -136,8 +136,9 @@ class Timer:
             return Timing(note="CUDA graphs disabled (--no-graph)")
         import torch
 
+        caller_stream = torch.cuda.current_stream()
         side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        side.wait_stream(caller_stream)
         graph = None
         failure = None
         # Our own pool id: a failed capture's CUDAGraph refuses pool() ("without a preceding
@@ -160,6 +161,9 @@ class Timer:
             # graph's pool; keeping `root` here would make a cycle through this frame.
             del root
         if failure is not None:
+            # torch.cuda.graph's __exit__ raised in capture_end, before it left its capture stream: without
+            # this every later launch of the run went to that stream (seen on the H200, torch 2.11)
+            torch.cuda.set_stream(caller_stream)
             try:
                 torch.cuda.synchronize()
             except Exception as sync_exc:  # the context is unusable: stop the run, rows are kept
