@@ -166,7 +166,7 @@ class KdaFwdIntraTC:
             sKh: cute.struct.Align[cute.struct.MemRange[BF16, (NBLK - 1) * SUB * DK], 1024]
             sX: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DV], 1024]
-            sTot: cute.struct.Align[cute.struct.MemRange[F32, GROUPS * DK], 16]
+            sTot: cute.struct.Align[cute.struct.MemRange[F32, (GROUPS + 1) * DK], 16]
             sFirst: cute.struct.Align[cute.struct.MemRange[F32, NBLK * DK], 16]
             sC: cute.struct.Align[cute.struct.MemRange[F32, len(PAIRS) * DK], 16]
             sBeta: cute.struct.Align[cute.struct.MemRange[F32, CHUNK], 16]
@@ -241,7 +241,9 @@ class KdaFwdIntraTC:
         sKh = st.sKh.get_tensor(kh_layout.outer, swizzle=kh_layout.inner)
         sX = st.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
         sV = st.sV.get_tensor(x_layout.outer, swizzle=x_layout.inner)
-        sTot = st.sTot.get_tensor(cute.make_layout((GROUPS, DK), stride=(DK, 1)))
+        # group totals of g (phase 1), then their exclusive prefix by group plus the chunk total in row
+        # GROUPS (phase 2's column pass)
+        sTot = st.sTot.get_tensor(cute.make_layout((GROUPS + 1, DK), stride=(DK, 1)))
         sFirst = st.sFirst.get_tensor(cute.make_layout((NBLK, DK), stride=(DK, 1)))
         sC = st.sC.get_tensor(cute.make_layout((len(PAIRS), DK), stride=(DK, 1)))
         sBeta = st.sBeta.get_tensor(cute.make_layout(CHUNK))
@@ -281,12 +283,11 @@ class KdaFwdIntraTC:
         ssq = cute.make_rmem_tensor(cute.make_layout(2 * ROWS_PER_THREAD), F32)  # Σx² of q rows, k rows
         xq = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         xk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
-        xv = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         xg = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         obf = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
         # every global load of the chunk is issued before the first use: 32 independent 16-byte loads
         # per thread in flight instead of one row's 4 at a time (rows past the end read the chunk's
-        # last valid row, in bounds and this sequence's own data, and are zeroed by `keep` below)
+        # last valid row, in bounds and this sequence's own data; phase 2 zeroes their q and k)
         rows8 = cute.make_layout((ROWS_PER_THREAD, COLS_PER_THREAD), stride=(COLS_PER_THREAD, 1))
         raw_q = cute.make_rmem_tensor(rows8, BF16)
         raw_k = cute.make_rmem_tensor(rows8, BF16)
@@ -307,22 +308,21 @@ class KdaFwdIntraTC:
             if cutlass.const_expr(self.use_beta_sigmoid):
                 bv = F32(self.beta_mult) / (F32(1.0) + cute.math.exp(-bv, fastmath=True))
             sBeta[tidx] = bv * keep_b
+        lb_log2 = lower_bound * F32(RCP_LN2)
         for rr in cutlass.range_constexpr(ROWS_PER_THREAD):
             r = r0 + rr
             keep = F32(1.0)
             if r >= nvalid:
                 keep = F32(0.0)
-            xq.store(raw_q[rr, None].load().to(F32) * keep)
-            xk.store(raw_k[rr, None].load().to(F32) * keep)
-            xv.store(raw_v[rr, None].load().to(F32) * keep)
+            # Rows past the end hold a copy of the last valid row (finite): phase 2 zeroes their q and k
+            # through the row scale, and their v is only read through T' columns that β = 0 zeroes.
+            xq.store(raw_q[rr, None].load().to(F32))
+            xk.store(raw_k[rr, None].load().to(F32))
             xg.store(raw_g[rr, None].load().to(F32))
             # raw q, k, v to their tiles (q and k are rewritten in place in phase 2)
-            obf.store(xq.load().to(BF16))
-            _st8(a_layout, qa_raw, (r, d0, 0), obf)
-            obf.store(xk.load().to(BF16))
-            _st8(a_layout, ka_raw, (r, d0, 0), obf)
-            obf.store(xv.load().to(BF16))
-            _st8(x_layout, v_raw, (d0, r, 0), obf)  # MN-major: (d, token)
+            _st8(a_layout, qa_raw, (r, d0, 0), raw_q[rr, None])
+            _st8(a_layout, ka_raw, (r, d0, 0), raw_k[rr, None])
+            _st8(x_layout, v_raw, (d0, r, 0), raw_v[rr, None])  # MN-major: (d, token)
             sq = F32(0.0)
             sk = F32(0.0)
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
@@ -330,7 +330,7 @@ class KdaFwdIntraTC:
                 sk = sk + xk[c] * xk[c]
                 # lower-bounded gate, in log2 units: lb * sigmoid(a (g + dt_bias)) / ln 2
                 z = a_exp * (xg[c] + dtb[c])
-                gv = lower_bound * F32(RCP_LN2) * cute.arch.rcp_approx(F32(1.0) + cute.math.exp(-z, fastmath=True))
+                gv = lb_log2 * cute.arch.rcp_approx(F32(1.0) + cute.math.exp(-z, fastmath=True))
                 prev = F32(0.0)
                 if cutlass.const_expr(rr > 0):
                     prev = gl[rr - 1, c]
@@ -350,30 +350,10 @@ class KdaFwdIntraTC:
         # ============================================ phase 2: reference factors and operand tiles
         shift = lower_bound * F32(-7.5 * RCP_LN2)  # half of a block's largest gate range (log2)
         blk = grp // 2  # = warp: this thread's 16-row block
-        pre = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # Γ before row 8 grp
-        cref = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # C_blk
-        eref = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # E_blk
-        run = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # Γ at the chunk end
-        run.fill(0.0)
-        pre.fill(0.0)
-        cref.fill(0.0)
-        eref.fill(0.0)
-        for gq in cutlass.range_constexpr(GROUPS):
-            for c in cutlass.range_constexpr(COLS_PER_THREAD):
-                if gq == grp:
-                    pre[c] = run[c]
-                if gq == 2 * blk:
-                    cref[c] = run[c] + sFirst[blk, d0 + c] - shift
-                run[c] = run[c] + sTot[gq, d0 + c]
-                if gq == 2 * blk + 1:
-                    eref[c] = run[c]
-        fh = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # 2^(E − C): K̃ -> K̂
-        fk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # 2^(Γ_last − E): K̂ -> kg
-        for c in cutlass.range_constexpr(COLS_PER_THREAD):
-            fh[c] = cute.math.exp2(eref[c] - cref[c], fastmath=True)
-            fk[c] = cute.math.exp2(run[c] - eref[c], fastmath=True)
-        # the off-diagonal factors 2^(C_I − E_J), one column per thread
-        tot_col = cute.make_rmem_tensor(cute.make_layout(GROUPS + 1), F32)  # inclusive prefix by group
+        # column pass (thread = column tidx): the group totals' exclusive prefix in place, the chunk total
+        # in row GROUPS, and the off-diagonal factors 2^(C_I − E_J); then every thread reads the few
+        # prefixes it needs as 16-byte vectors (instead of selecting them out of a 64-step scan)
+        tot_col = cute.make_rmem_tensor(cute.make_layout(GROUPS + 1), F32)  # exclusive prefix by group
         tot_col[0] = F32(0.0)
         for gq in cutlass.range_constexpr(GROUPS):
             tot_col[gq + 1] = tot_col[gq] + sTot[gq, tidx]
@@ -382,6 +362,26 @@ class KdaFwdIntraTC:
             c_i = tot_col[2 * ib] + sFirst[ib, tidx] - shift
             e_j = tot_col[2 * jb + 2]
             sC[p, tidx] = cute.math.exp2(c_i - e_j, fastmath=True)
+        for gq in cutlass.range_constexpr(GROUPS + 1):
+            sTot[gq, tidx] = tot_col[gq]
+        cute.arch.sync_threads()
+        pre = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # Γ before row 8 grp
+        cref = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # C_blk
+        eref = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # E_blk
+        run = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # Γ at the chunk end
+        first = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+        cute.autovec_copy(_fvec(sTot.iterator, grp * DK + d0, COLS_PER_THREAD), pre)
+        cute.autovec_copy(_fvec(sTot.iterator, 2 * blk * DK + d0, COLS_PER_THREAD), cref)
+        cute.autovec_copy(_fvec(sTot.iterator, (2 * blk + 2) * DK + d0, COLS_PER_THREAD), eref)
+        cute.autovec_copy(_fvec(sTot.iterator, GROUPS * DK + d0, COLS_PER_THREAD), run)
+        cute.autovec_copy(_fvec(sFirst.iterator, blk * DK + d0, COLS_PER_THREAD), first)
+        for c in cutlass.range_constexpr(COLS_PER_THREAD):
+            cref[c] = cref[c] + first[c] - shift
+        fh = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # 2^(E − C): K̃ -> K̂
+        fk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # 2^(Γ_last − E): K̂ -> kg
+        for c in cutlass.range_constexpr(COLS_PER_THREAD):
+            fh[c] = cute.math.exp2(eref[c] - cref[c], fastmath=True)
+            fk[c] = cute.math.exp2(run[c] - eref[c], fastmath=True)
 
         rq = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         rk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
@@ -390,11 +390,14 @@ class KdaFwdIntraTC:
         qg_head = pQG + (hv * R + row0) * DK
         for rr in cutlass.range_constexpr(ROWS_PER_THREAD):
             r = r0 + rr
-            nq = scale
-            nk = F32(1.0)
+            keep = F32(1.0)  # rows past the end: q̂ = k̂ = 0 (so Ka, Qa, K̃, K̂, X, qg, kg are zero)
+            if r >= nvalid:
+                keep = F32(0.0)
+            nq = scale * keep
+            nk = keep
             if cutlass.const_expr(self.use_qk_l2norm):
-                nq = scale * cute.math.rsqrt(ssq[rr] + F32(L2NORM_EPS))
-                nk = cute.math.rsqrt(ssq[ROWS_PER_THREAD + rr] + F32(L2NORM_EPS))
+                nq = nq * cute.math.rsqrt(ssq[rr] + F32(L2NORM_EPS))
+                nk = nk * cute.math.rsqrt(ssq[ROWS_PER_THREAD + rr] + F32(L2NORM_EPS))
             _ld8(a_layout, qa_raw, (r, d0, 0), obf)
             rq.store(obf.load().to(F32) * nq)
             _ld8(a_layout, ka_raw, (r, d0, 0), obf)
