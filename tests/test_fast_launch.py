@@ -128,3 +128,23 @@ def test_null_launcher_is_fast_and_calls_nothing():
     for _ in range(3):
         launch(0x1000, 0x2000, 7, 0.5, 0x99)
     assert [c.value for c in launch._cells] == [0x1000, 0x2000, 7, 0.5, 0x99]
+
+
+def test_bound_launch_fixes_the_scalars_and_passes_the_pointers():
+    fake = FakeCompiled()
+    launch = Launcher(fake, SPECS)
+    assert launch.bind({2: 7, 3: 0.5}) is None  # not verified yet
+    launch(0x1000, 0x2000, 7, 0.5, 0x99)
+    bound = launch.bind({2: 7, 3: 0.5})
+    bound((0x3010, 0x4020, 0x77))
+    bound((0x5000, 0x6000, 0))
+    assert fake.calls == [(0x3010, 0x4020, 7, 0.5, 0x77), (0x5000, 0x6000, 7, 0.5, None)]
+    assert launch._last_values == (0x5000, 0x6000, 7, 0.5, 0)
+    launch(0x1000, 0x2000, 9, 1.5, 0x99)  # the launcher's own cells are not the bound ones
+    bound((0x1, 0x2, 0x3))
+    assert fake.calls[-2:] == [(0x1000, 0x2000, 9, 1.5, 0x99), (0x1, 0x2, 7, 0.5, 0x3)]
+    fake._default_executor.cuda_result.value = 700
+    with pytest.raises(RuntimeError, match="700"):
+        bound((0x1, 0x2, 0x3))
+    with pytest.raises(ValueError, match="argument 2 \\(i32\\) must be fixed"):
+        launch.bind({3: 0.5})

@@ -15,7 +15,7 @@ def test_measure_reports_every_column_and_restores_everything():
     from cula.kernels.sm90 import kda_decode, lightning_decode
 
     before = {name: sys.modules.get(f"{_dispatch.KERNEL_PACKAGE}.{name}") for name in _dispatch.KERNEL_ARGS}
-    attrs = {m: (m.kernel_reason, m.compile_launcher, m._cache) for m in (kda_decode, lightning_decode)}
+    attrs = {m: (m.cuda_tensors, m.compile_launcher, m._cache, m._runners) for m in (kda_decode, lightning_decode)}
     probes = _dispatch.probes_key()
     rows = ho.measure(calls=5, rounds=1)
     assert [r[0] for r in rows] == [label for label, *_ in ho._cases()]
@@ -24,8 +24,8 @@ def test_measure_reports_every_column_and_restores_everything():
         decode = "decode" in label or "fused_recurrent" in label
         assert (full is not None and entry is not None) == decode, label
     assert {n: sys.modules.get(f"{_dispatch.KERNEL_PACKAGE}.{n}") for n in _dispatch.KERNEL_ARGS} == before
-    for m, (reason, compile_launcher, cache) in attrs.items():
-        assert m.kernel_reason is reason and m.compile_launcher is compile_launcher and m._cache is cache
+    for m, saved in attrs.items():
+        assert all(a is b for a, b in zip((m.cuda_tensors, m.compile_launcher, m._cache, m._runners), saved))
     assert _dispatch.probes_key() == probes
 
 

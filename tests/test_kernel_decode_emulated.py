@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import _dsl_emulator as emu
-from cula.kernels.common import decode_tile
+from cula.kernels.common import decode_host, decode_tile
 from cula.kernels.sm90 import decode_bench as db
 from cula.kernels.sm90 import kda_decode as kd
 from cula.kernels.sm90 import lightning_decode as ld
@@ -27,8 +27,7 @@ def run_emulated(monkeypatch, module, inputs):
     mem.register(*[x for x in inputs.values() if isinstance(x, torch.Tensor)])
     out = torch.full_like(inputs["v"], float("nan"))  # every output element must be written
     mem.register(out)
-    make_final = module.new_final_state
-    real_reason = module.kernel_reason
+    make_final = decode_host.new_state
     kernel_cls = kd.KdaDecode if module is kd else ld.LightningDecode
 
     def new_final_state(*args, **kwargs):
@@ -47,14 +46,11 @@ def run_emulated(monkeypatch, module, inputs):
             emu.Memory.write_back(backs)
         return launch
 
-    def kernel_reason(*args, **kwargs):  # CPU tensors stand in for CUDA ones here
-        reason = real_reason(*args, **kwargs)
-        return None if reason == "the kernel takes CUDA tensors" else reason
-
-    monkeypatch.setattr(module, "new_final_state", new_final_state)
+    monkeypatch.setattr(decode_host, "new_state", new_final_state)
     monkeypatch.setattr(module, "_launcher", launcher)
-    monkeypatch.setattr(module, "kernel_reason", kernel_reason)
-    monkeypatch.setattr(module, "current_stream_handle", lambda index: 0)
+    monkeypatch.setattr(module, "_runners", {})  # runners made earlier hold other launchers
+    monkeypatch.setattr(module, "cuda_tensors", lambda *tensors: True)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(module, "stream_query", lambda: (lambda index: 0))
     host = kd.kda_decode if module is kd else ld.lightning_decode
     o, ht = host(**inputs, out=out)
     assert o is out

@@ -51,7 +51,6 @@ PB, PT = 1, 2048
 POOL = B + 8
 #: Kernels whose real host function the ``full`` / ``entry`` columns run (with the launch stubbed).
 REAL_KERNELS = ("kda_decode", "lightning_decode")
-CUDA_REASON = "the kernel takes CUDA tensors"
 
 
 @contextmanager
@@ -96,22 +95,17 @@ def fake_hopper(real: tuple[str, ...] = ()) -> Iterator[dict[str, types.ModuleTy
 
 @contextmanager
 def stub_gpu_steps(module: types.ModuleType) -> Iterator[None]:
-    """Let a real decode kernel module run its host function on CPU tensors up to the launch: its
-    "CUDA tensors" reason is dropped, kernels "compile" to a null launcher, the stream is 0, and its
-    compile cache is a fresh dict (restored after, so no stub outlives the measurement)."""
+    """Let a real decode kernel module run its host function on CPU tensors up to the launch: CPU
+    tensors pass its "CUDA tensors" test, kernels "compile" to a null launcher, the stream is 0, and its
+    compile and runner caches are fresh dicts (restored after, so no stub outlives the measurement)."""
     from cula.kernels.common import fast_launch
 
-    real_reason = module.kernel_reason
-
-    def kernel_reason(*args: Any, **kwargs: Any) -> str | None:
-        reason = real_reason(*args, **kwargs)
-        return None if reason == CUDA_REASON else reason
-
     patches = {
-        "kernel_reason": kernel_reason,
+        "cuda_tensors": _all_cuda,
         "compile_launcher": lambda fn, specs, fast=True: fast_launch.null_launcher(specs),
-        "current_stream_handle": lambda device_index: 0,
+        "stream_query": lambda: _zero_stream,
         "_cache": {},
+        "_runners": {},
     }
     saved = {name: getattr(module, name) for name in patches if hasattr(module, name)}
     try:
@@ -128,6 +122,14 @@ def stub_gpu_steps(module: types.ModuleType) -> Iterator[None]:
 
 _MISSING = object()
 _RESULT = (None, None)
+
+
+def _zero_stream(device_index: int | None) -> int:
+    return 0
+
+
+def _all_cuda(*tensors: Any) -> bool:
+    return True
 
 
 def _supports(**kwargs: Any) -> None:

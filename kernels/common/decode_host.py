@@ -8,6 +8,8 @@ outputs the caller did not provide. ``state_indices`` values are not checked (as
 
 from __future__ import annotations
 
+import operator
+import threading
 from typing import Any
 
 import torch
@@ -50,6 +52,11 @@ def expect_numel(name: str, x: Any, numel: int, meaning: str) -> None:
 
 def aligned(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or t.data_ptr() % ALIGN == 0 for t in tensors)
+
+
+def is_dense(x: torch.Tensor) -> bool:
+    """Whether :func:`dense` leaves ``x`` as it is."""
+    return x.is_contiguous() and not x.data_ptr() % ALIGN
 
 
 def dense(x: torch.Tensor) -> torch.Tensor:
@@ -98,6 +105,11 @@ def check_pool(
                          f"got {initial_state.shape[0]}")
 
 
+def cuda_tensors(*tensors: Any) -> bool:
+    """Whether every one of ``tensors`` that is not None is a CUDA tensor (all the kernels take)."""
+    return all(x is None or (isinstance(x, torch.Tensor) and x.is_cuda) for x in tensors)
+
+
 def state_reason(initial_state: torch.Tensor | None) -> str | None:
     """Why the kernels cannot read/write ``initial_state`` in place as given, or None."""
     if initial_state is None:
@@ -111,19 +123,111 @@ def state_reason(initial_state: torch.Tensor | None) -> str | None:
     return None
 
 
-def new_final_state(
-    initial_state: torch.Tensor | None,
-    output_final_state: bool,
-    inplace: bool,
-    shape: tuple[int, ...],
-    device: torch.device,
-) -> torch.Tensor | None:
-    """The tensor the kernel writes the final states into (the pool itself when ``inplace``)."""
-    if inplace:
-        return initial_state
-    if output_final_state:
-        return torch.empty(shape, dtype=torch.float32, device=device)
-    return None
+def new_state(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A new fp32 final state the kernel writes (out of place)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+class DecodeRunner:
+    """One checked static signature of a decode host function, ready to launch.
+
+    Everything the host function decides from the metadata of its arguments (the compiled kernel,
+    the sizes and scalars it takes, which inputs need a dense copy, what the outputs are) is decided
+    once; a call with tensors of the same metadata then only allocates the outputs, takes the data
+    pointers and the stream, and launches (through a :class:`~cula.kernels.common.fast_launch.BoundLaunch`
+    once the launcher's fast path is verified). Holding it for later calls is only valid for tensors
+    whose shapes, contiguity, dtypes, device and 16-byte alignment equal those it was made from (the
+    public ops' call plans key on those, among others).
+
+    Args:
+        launcher: the compiled kernel's Launcher; None when there is nothing to launch (B = 0).
+        names: the tensor arguments a call passes, positionally, in this order: only those the kernel
+            reads (a None argument, or one its flags leave unused, is not passed).
+        pointers: per pointer argument of the kernel, in order: a name of ``names``, ``"o"``,
+            ``"final_state"`` or None (a null pointer).
+        like: the name of the tensor ``o`` is allocated like (``torch.empty_like``).
+        final: None (no final state), :data:`INPLACE` (the final state is the ``initial_state``
+            argument) or the shape of a new fp32 final state.
+        statics: the kernel's scalar arguments, between its pointers and its stream.
+        device: the inputs' device (new final state, stream).
+        dense: names whose tensors go through :func:`dense` (not contiguous or not 16-byte aligned).
+        stream_query: ``device index -> cudaStream_t``
+            (:func:`~cula.kernels.common.fast_launch.stream_query`).
+        arg_order: all tensor arguments of the host function, in order: ``take`` picks ``names``
+            out of a tuple of them (None where the host function got None).
+    """
+
+    __slots__ = ("names", "take", "launcher", "statics", "_like", "_final", "_h0", "_dense", "_device", "_index",
+                 "_order", "_n_ptr", "_stream", "_bound", "_lock")
+
+    def __init__(self, launcher: Any, names: tuple[str, ...], pointers: tuple[str | None, ...], like: str,
+                 final: Any, statics: tuple, device: torch.device, dense: tuple[str, ...] = (),
+                 stream_query: Any = None, arg_order: tuple[str, ...] | None = None):
+        self.names = names
+        where = [(arg_order or names).index(name) for name in names]
+        self.take = operator.itemgetter(*where) if len(where) > 1 else (lambda seq, j=where[0]: (seq[j],))
+        self.launcher = launcher
+        self.statics = statics
+        n = len(names)
+        self._like = names.index(like)
+        self._final = final
+        self._h0 = names.index("initial_state") if final is INPLACE else -1
+        self._dense = frozenset(names.index(name) for name in dense)
+        self._device = device
+        self._index = device.index
+        # a call's pointer values: [its tensors..., o, new final state (or 0), 0, stream]
+        where = {name: i for i, name in enumerate(names)}
+        where.update(o=n, final_state=self._h0 if final is INPLACE else n + 1)
+        where[None] = n + 2
+        self._order = operator.itemgetter(*(where[p] for p in pointers), n + 3)
+        self._n_ptr = len(pointers)
+        self._stream = stream_query
+        self._bound = None
+        self._lock = threading.Lock()
+
+    def __call__(self, *xs: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        return self.run(xs, out)
+
+    def run(self, xs: tuple[torch.Tensor, ...], out: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        """``self(*xs, out=out)`` (the public ops' call plans hold the tuple already)."""
+        if self._dense:
+            xs = tuple(dense(x) if i in self._dense else x for i, x in enumerate(xs))
+        o = _empty_like(xs[self._like]) if out is None else out
+        final = self._final
+        if final is None:
+            ht, new = None, 0
+        elif final is INPLACE:
+            ht, new = xs[self._h0], 0
+        else:
+            ht = new_state(final, self._device)
+            new = ht.data_ptr()
+        if self.launcher is None:
+            return o, ht
+        values = self._order((*map(_data_ptr, xs), o.data_ptr(), new, 0, self._stream(self._index)))
+        bound = self._bound
+        if bound is None:
+            bound = self._bind()
+        if bound is not None:
+            bound(values)
+        else:
+            self.launcher(*values[:-1], *self.statics, values[-1])
+        return o, ht
+
+    def _bind(self) -> Any:
+        bind = getattr(self.launcher, "bind", None)  # any callable taking the launch values will do
+        if bind is None:
+            return None
+        with self._lock:
+            if self._bound is None:
+                self._bound = bind({self._n_ptr + i: v for i, v in enumerate(self.statics)})
+            return self._bound
+
+
+INPLACE = "inplace"
+_empty_like = torch.empty_like
+_data_ptr = torch.Tensor.data_ptr  # map() calls the method descriptor without a bound method per tensor
+#: Runners a kernel module keeps (one per static call signature); more than this start afresh.
+RUNNERS_MAX = 256
 
 
 # The work split both decode kernels use: each warp owns V_PER_WARP values of V and all of K.

@@ -109,14 +109,34 @@ class Launcher:
         self._checked = False
         self._lock = threading.Lock()
         self.fast_reason: str | None = None  # why the fast path is off (None while on / untried)
-        self._last_values: tuple = ()
+        self._tail: tuple[int, ...] = ()  # packed slots after the arguments (result cell, kernel pointers)
+        # the last call's (BoundLaunch or None, values): what _last_values rebuilds on demand
+        self._last: tuple = (None, ())
 
     @property
     def is_fast(self) -> bool:
         return self._packed is not None
 
+    @property
+    def _last_values(self) -> tuple:
+        """The full argument values of the last call (for overhead measurements and tests)."""
+        bound, values = self._last
+        return values if bound is None else bound.full_values(values)
+
+    @_last_values.setter
+    def _last_values(self, values: tuple) -> None:
+        self._last = (None, tuple(values))
+
+    def bind(self, static: dict[int, Any]) -> BoundLaunch | None:
+        """The fast path with the arguments at the indices of ``static`` fixed to its values; see
+        :class:`BoundLaunch`. None while the fast path is not on (before the first, checked call, or
+        once it was turned off): call the launcher itself then."""
+        if self._packed is None:
+            return None
+        return BoundLaunch(self, static)
+
     def __call__(self, *values: Any) -> None:
-        self._last_values = values  # for overhead measurements (decode_bench)
+        self._last = (None, values)
         if self._packed is not None:
             with self._lock:
                 for cell, value in zip(self._cells, values):
@@ -171,10 +191,58 @@ class Launcher:
         if executor.exec_context is not None:
             tail += list(executor.exec_context.kernel_functions_ptrs)
         slots = [ctypes.addressof(c) for c in self._cells] + tail
-        packed = (ctypes.c_void_p * len(slots))()
-        for i, addr in enumerate(slots):
-            packed[i] = addr if not isinstance(addr, ctypes.c_void_p) else addr.value
+        slots = [addr.value if isinstance(addr, ctypes.c_void_p) else addr for addr in slots]
+        packed = (ctypes.c_void_p * len(slots))(*slots)
+        self._tail = tuple(slots[len(self._cells):])
         self._capi, self._result, self._packed = capi, result, packed
+
+
+class BoundLaunch:
+    """A verified :class:`Launcher`'s fast path with some arguments fixed (a decode call's sizes and
+    scalars, the same for every call of one signature) in cells of its own, so that a call writes
+    only the others, which must all be pointers or streams: they live in one ``void*`` array that a
+    single slice assignment fills. Call it with those values, in argument order, as one sequence.
+
+    It shares the launcher's entry point, result cell and lock (the result cell is the compiled
+    function's, one per launcher)."""
+
+    __slots__ = ("launcher", "_dynamic", "_dynamic_index", "_static", "_packed", "_capi", "_result", "_lock")
+
+    def __init__(self, launcher: Launcher, static: dict[int, Any]):
+        specs = launcher.specs
+        self.launcher = launcher
+        self._dynamic_index = tuple(i for i in range(len(specs)) if i not in static)
+        for i in self._dynamic_index:
+            if specs[i].kind not in ("ptr", "stream"):
+                raise ValueError(f"static: argument {i} ({specs[i].kind}) must be fixed, only pointers and "
+                                 "streams can change per call")
+        self._dynamic = (ctypes.c_void_p * len(self._dynamic_index))()
+        self._static = {i: _CELL[specs[i].kind](value) for i, value in static.items()}
+        where = {i: ctypes.addressof(cell) for i, cell in self._static.items()}
+        step = ctypes.sizeof(ctypes.c_void_p)
+        for j, i in enumerate(self._dynamic_index):
+            where[i] = ctypes.addressof(self._dynamic) + j * step
+        slots = [where[i] for i in range(len(specs))] + list(launcher._tail)
+        self._packed = (ctypes.c_void_p * len(slots))(*slots)
+        self._capi, self._result, self._lock = launcher._capi, launcher._result, launcher._lock
+
+    def __call__(self, values: Sequence[int]) -> None:
+        lock = self._lock
+        lock.acquire()  # (a with block costs twice as much here)
+        try:
+            self._dynamic[:] = values
+            self._capi(self._packed)  # ctypes drops the GIL for the call: the lock keeps the cells ours
+            if self._result is not None and self._result.value != 0:
+                raise RuntimeError(f"CuTe DSL kernel launch failed with CUDA error {self._result.value}")
+        finally:
+            lock.release()
+        self.launcher._last = (self, values)
+
+    def full_values(self, values: Sequence[int]) -> tuple:
+        """All argument values of a call that passed ``values`` (what the launcher itself would take)."""
+        full = {i: cell.value for i, cell in self._static.items()}
+        full.update(zip(self._dynamic_index, values))
+        return tuple(full[i] for i in range(len(full)))
 
 
 def null_launcher(specs: Sequence[ArgSpec]) -> Launcher:
@@ -187,6 +255,7 @@ def null_launcher(specs: Sequence[ArgSpec]) -> Launcher:
     launcher._result = ctypes.c_int32(0)
     slots = [ctypes.addressof(c) for c in launcher._cells] + [ctypes.addressof(launcher._result)]
     launcher._packed = (ctypes.c_void_p * len(slots))(*slots)
+    launcher._tail = (slots[-1],)
     launcher._capi = _null_entry()
     return launcher
 
@@ -201,6 +270,15 @@ def _null_entry() -> Any:
         address = ctypes.cast(ctypes.CDLL(None).labs, ctypes.c_void_p).value
         _NULL_ENTRY.append(ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p)(address))
     return _NULL_ENTRY[0]
+
+
+def stream_query() -> Any:
+    """The cheapest ``device index -> raw cudaStream_t of torch's current stream`` callable: torch's C
+    getter itself where it has one (no Python frame per call), else :func:`current_stream_handle`."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw if raw is not None else current_stream_handle
 
 
 def current_stream_handle(device_index: int) -> int:

@@ -43,24 +43,27 @@ import torch
 
 from cula.kernels.common.decode_host import (
     ACT_DTYPES,
+    DecodeRunner,
+    INPLACE,
     MAX_T,
+    RUNNERS_MAX,
     V_ALIGN,
     V_PER_WARP,
     WARP_CHOICES,
     aligned,
     check_pool,
+    cuda_tensors,
     decode_dims as _dims,
     cutlass_dtype,
-    dense,
     expect_numel,
     expect_shape,
-    new_final_state,
+    is_dense,
     pick_warps,
     shape_of,
     state_reason,
 )
 from cula.kernels.common.decode_tile import butterfly_sum, load1, vec, warp_sum
-from cula.kernels.common.fast_launch import ArgSpec, compile_launcher, current_stream_handle
+from cula.kernels.common.fast_launch import ArgSpec, compile_launcher, stream_query
 
 HEAD_DIMS_K = (64, 128, 256)  # K: 16 lanes x K/16 rows (K-first) or 16 lanes x 4 x K/64 (V-first)
 L2NORM_EPS = 1e-6  # FLA's l2norm: x / sqrt(sum(x^2) + eps)
@@ -412,6 +415,10 @@ _ARG_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "
               "state_indices", "B", "T", "H", "HV", "scale", "lower_bound", "stream")
 
 _cache: dict[tuple, Any] = {}
+#: DecodeRunner per checked static signature (they hold launchers from _cache)
+_runners: dict[tuple, DecodeRunner] = {}
+#: The tensor arguments of kda_decode, in order (a runner takes those it uses, in this order).
+_TENSOR_ARGS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "state_indices")
 _ACT = frozenset(ACT_DTYPES)
 
 
@@ -478,8 +485,7 @@ def kernel_reason(
         return "the kernel takes a per-head beta [B, T, HV] (no head-wise [B, T, HV, V] beta)"
     if g is None or g.dim() != 4:
         return "the kernel takes g [B, T, HV, K]"
-    tensors = [x for x in (q, k, v, g, beta, A_log, dt_bias, initial_state, state_indices) if x is not None]
-    if not all(isinstance(x, torch.Tensor) and x.is_cuda for x in tensors):
+    if not cuda_tensors(q, k, v, g, beta, A_log, dt_bias, initial_state, state_indices):
         return "the kernel takes CUDA tensors"
     reason = state_reason(initial_state)
     if reason is not None:
@@ -527,6 +533,39 @@ def kda_decode(
         ``o: [B, T, HV, V]`` (dtype of v) and the final state: the pool when ``inplace``, a new fp32
         ``[B, HV, K, V]`` (or V-first) tensor when ``output_final_state``, else None.
     """
+    run = runner(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                 use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                 lower_bound, state_v_first, state_indices, inplace)
+    if out is not None and (tuple(out.shape) != tuple(v.shape) or out.dtype != v.dtype or not out.is_contiguous()
+                            or not aligned(out)):
+        raise ValueError(f"out: expected a contiguous 16-byte aligned {v.dtype} tensor of shape "
+                         f"{list(v.shape)}, got {shape_of(out)}")
+    return run.run(run.take((q, k, v, g, beta, A_log, dt_bias, initial_state, state_indices)), out)
+
+
+def runner(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    state_indices: torch.Tensor | None = None,
+    inplace: bool = False,
+) -> DecodeRunner:
+    """Check the arguments of :func:`kda_decode` (the same ValueErrors) and return the
+    :class:`DecodeRunner` of their static signature: call it with the tensors it names
+    (``.names``, positionally) to run ``kda_decode`` on them, or on any tensors of the same metadata."""
     B, T, H, K, HV, V = _dims(q, k, v)
     expect_shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
     expect_shape("beta", beta, (B, T, HV), "[B, T, HV]")
@@ -549,39 +588,31 @@ def kda_decode(
     if reason is not None:
         raise ValueError(f"kda_decode: unsupported inputs ({reason})")
 
-    q, k, v, g, beta = dense(q), dense(k), dense(v), dense(g), dense(beta)
-    a_log = dense(A_log) if has_a else None
-    bias = dense(dt_bias) if has_bias else None
-    if out is None:
-        o = torch.empty_like(v)
-    else:
-        if tuple(out.shape) != tuple(v.shape) or out.dtype != v.dtype or not out.is_contiguous() or not aligned(out):
-            raise ValueError(f"out: expected a contiguous 16-byte aligned {v.dtype} tensor of shape "
-                             f"{list(v.shape)}, got {shape_of(out)}")
-        o = out
+    has_h0, has_idx = initial_state is not None, state_indices is not None
     store = bool(inplace or output_final_state)
-    ht = new_final_state(initial_state, output_final_state, inplace, (B, *state_shape), q.device)
-    if B == 0:
-        return o, ht
-    idx_dtype = state_indices.dtype if state_indices is not None else torch.int32
+    idx_dtype = state_indices.dtype if has_idx else torch.int32
     config = (K, V, bool(state_v_first), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), has_a,
               has_bias, use_lb, bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
-              initial_state is not None, store, bool(inplace), state_indices is not None,
-              pick_warps(B, HV, V))
-    dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
-              a_log.dtype if a_log is not None else torch.float32,
-              bias.dtype if bias is not None else torch.float32, o.dtype, idx_dtype)
-    launch = _launcher((config, dtypes))
-
-    def ptr(x):
-        return 0 if x is None else x.data_ptr()
-
-    launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), ptr(a_log), ptr(bias),
-           ptr(initial_state), ptr(ht), o.data_ptr(),
-           ptr(dense(state_indices) if state_indices is not None else None),
-           B, T, H, HV, float(K ** -0.5 if scale is None else scale),
-           float(lower_bound) if use_lb else 0.0, current_stream_handle(q.device.index))
-    return o, (ht if store else None)
+              has_h0, store, bool(inplace), has_idx, pick_warps(B, HV, V))
+    dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, A_log.dtype if has_a else torch.float32,
+              dt_bias.dtype if has_bias else torch.float32, v.dtype, idx_dtype)
+    statics = (B, T, H, HV, float(K ** -0.5 if scale is None else scale), float(lower_bound) if use_lb else 0.0)
+    used = (q, k, v, g, beta, A_log if has_a else None, dt_bias if has_bias else None, initial_state, state_indices)
+    # the initial state is never copied: kernel_reason refused one that is not contiguous and aligned
+    copy = tuple(n for n, x in zip(_TENSOR_ARGS, used) if x is not None and n != "initial_state" and not is_dense(x))
+    key = (config, dtypes, statics, q.device, copy)
+    hit = _runners.get(key)
+    if hit is None:
+        names = tuple(n for n, x in zip(_TENSOR_ARGS, used) if x is not None)
+        pointers = (*(n if n in names else None for n in _TENSOR_ARGS[:8]), "final_state" if store else None, "o",
+                    "state_indices" if has_idx else None)
+        final = INPLACE if inplace else ((B, *state_shape) if output_final_state else None)
+        hit = DecodeRunner(_launcher((config, dtypes)) if B else None, names, pointers, "v", final, statics,
+                           q.device, copy, stream_query(), _TENSOR_ARGS)
+        if len(_runners) >= RUNNERS_MAX:
+            _runners.clear()
+        _runners[key] = hit
+    return hit
 
 
 # ------------------------------------------------------------------------------------------ CPU checks

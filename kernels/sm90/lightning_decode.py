@@ -32,24 +32,26 @@ import torch
 
 from cula.kernels.common.decode_host import (
     ACT_DTYPES,
+    DecodeRunner,
+    INPLACE,
     MAX_T,
+    RUNNERS_MAX,
     V_ALIGN,
     V_PER_WARP,
     WARP_CHOICES,
     aligned,
     check_pool,
+    cuda_tensors,
     decode_dims as _dims,
     cutlass_dtype,
-    dense,
     expect_numel,
-    expect_shape,
-    new_final_state,
+    is_dense,
     pick_warps,
     shape_of,
     state_reason,
 )
 from cula.kernels.common.decode_tile import butterfly_sum, load1, vec, warp_sum
-from cula.kernels.common.fast_launch import ArgSpec, compile_launcher, current_stream_handle
+from cula.kernels.common.fast_launch import ArgSpec, compile_launcher, stream_query
 
 HEAD_DIMS_K = (64, 128, 256)  # 16 lanes x K/16 rows per thread
 #: Flipped to True once tests/test_kernel_lightning_decode.py passed on the H200.
@@ -234,6 +236,10 @@ class LightningDecode:
 # ------------------------------------------------------------------------------------------------ host
 
 _cache: dict[tuple, Any] = {}
+#: DecodeRunner per checked static signature (they hold launchers from _cache)
+_runners: dict[tuple, DecodeRunner] = {}
+#: The tensor arguments of lightning_decode, in order (a runner takes those it uses, in this order).
+_TENSOR_ARGS = ("q", "k", "v", "decay", "initial_state", "state_indices")
 _ACT = frozenset(ACT_DTYPES)
 
 
@@ -289,8 +295,7 @@ def kernel_reason(
     for name, x in (("q", q), ("k", k), ("v", v), ("decay", decay)):
         if x is not None and x.dtype not in _ACT:
             return f"{name} is {x.dtype}; the kernel takes {', '.join(map(str, ACT_DTYPES))}"
-    tensors = [x for x in (q, k, v, decay, initial_state, state_indices) if x is not None]
-    if not all(isinstance(x, torch.Tensor) and x.is_cuda for x in tensors):
+    if not cuda_tensors(q, k, v, decay, initial_state, state_indices):
         return "the kernel takes CUDA tensors"
     return state_reason(initial_state)
 
@@ -324,6 +329,29 @@ def lightning_decode(
         ``o: [B, T, HV, V]`` (dtype of v) and the final state: the pool when ``inplace``, a new fp32
         ``[B, HV, K, V]`` tensor when ``output_final_state``, else None.
     """
+    run = runner(q, k, v, decay, scale, initial_state, output_final_state, state_indices, inplace)
+    if out is not None and (tuple(out.shape) != tuple(v.shape) or out.dtype != v.dtype or not out.is_contiguous()
+                            or not aligned(out)):
+        raise ValueError(f"out: expected a contiguous 16-byte aligned {v.dtype} tensor of shape "
+                         f"{list(v.shape)}, got {shape_of(out)}")
+    return run.run(run.take((q, k, v, decay, initial_state, state_indices)), out)
+
+
+def runner(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    state_indices: torch.Tensor | None = None,
+    inplace: bool = False,
+) -> DecodeRunner:
+    """Check the arguments of :func:`lightning_decode` (the same ValueErrors) and return the
+    :class:`DecodeRunner` of their static signature: call it with the tensors it names
+    (``.names``, positionally) to run ``lightning_decode`` on them, or on any tensors of the same
+    metadata."""
     B, T, H, K, HV, V = _dims(q, k, v)
     expect_numel("decay", decay, HV, "one decay rate per value head")
     check_pool(initial_state, state_indices, inplace, B, (HV, K, V), "HV, K, V")
@@ -331,28 +359,28 @@ def lightning_decode(
     if reason is not None:
         raise ValueError(f"lightning_decode: unsupported inputs ({reason})")
 
-    q, k, v, decay = dense(q), dense(k), dense(v), dense(decay)
-    if out is None:
-        o = torch.empty_like(v)
-    else:
-        if tuple(out.shape) != tuple(v.shape) or out.dtype != v.dtype or not out.is_contiguous() or not aligned(out):
-            raise ValueError(f"out: expected a contiguous 16-byte aligned {v.dtype} tensor of shape "
-                             f"{list(v.shape)}, got {shape_of(out)}")
-        o = out
+    has_h0, has_idx = initial_state is not None, state_indices is not None
     store = bool(inplace or output_final_state)
-    ht = new_final_state(initial_state, output_final_state, inplace, (B, HV, K, V), q.device)
-    if B == 0:
-        return o, ht
-    idx_dtype = state_indices.dtype if state_indices is not None else torch.int32
-    config = (K, V, initial_state is not None, store, bool(inplace), state_indices is not None,
-              pick_warps(B, HV, V))
-    dtypes = (q.dtype, k.dtype, v.dtype, decay.dtype, o.dtype, idx_dtype)
-    launch = _launcher((config, dtypes))
-    launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(),
-           0 if initial_state is None else initial_state.data_ptr(), 0 if ht is None else ht.data_ptr(),
-           o.data_ptr(), 0 if state_indices is None else dense(state_indices).data_ptr(),
-           B, T, H, HV, float(K ** -0.5 if scale is None else scale), current_stream_handle(q.device.index))
-    return o, (ht if store else None)
+    idx_dtype = state_indices.dtype if has_idx else torch.int32
+    config = (K, V, has_h0, store, bool(inplace), has_idx, pick_warps(B, HV, V))
+    dtypes = (q.dtype, k.dtype, v.dtype, decay.dtype, v.dtype, idx_dtype)
+    statics = (B, T, H, HV, float(K ** -0.5 if scale is None else scale))
+    used = (q, k, v, decay, initial_state, state_indices)
+    # the initial state is never copied: kernel_reason refused one that is not contiguous and aligned
+    copy = tuple(n for n, x in zip(_TENSOR_ARGS, used) if x is not None and n != "initial_state" and not is_dense(x))
+    key = (config, dtypes, statics, q.device, copy)
+    hit = _runners.get(key)
+    if hit is None:
+        names = tuple(n for n, x in zip(_TENSOR_ARGS, used) if x is not None)
+        pointers = ("q", "k", "v", "decay", "initial_state" if has_h0 else None, "final_state" if store else None,
+                    "o", "state_indices" if has_idx else None)
+        final = INPLACE if inplace else ((B, HV, K, V) if output_final_state else None)
+        hit = DecodeRunner(_launcher((config, dtypes)) if B else None, names, pointers, "v", final, statics,
+                           q.device, copy, stream_query(), _TENSOR_ARGS)
+        if len(_runners) >= RUNNERS_MAX:
+            _runners.clear()
+        _runners[key] = hit
+    return hit
 
 
 # ------------------------------------------------------------------------------------------ CPU checks
