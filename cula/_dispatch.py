@@ -67,11 +67,20 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
 # Environment probes (module-level functions so tests can monkeypatch a fake GPU).
 
 
+_archs: dict[torch.device, tuple[int, int]] = {}
+
+
 def device_arch(device: torch.device) -> tuple[int, int] | None:
     """Compute capability of ``device``, or None when it is not a CUDA device."""
     if device.type != "cuda":
         return None
-    return tuple(torch.cuda.get_device_capability(device))
+    arch = _archs.get(device)
+    if arch is None:
+        # a device's capability never changes; "cuda" without an index means the current device
+        arch = tuple(torch.cuda.get_device_capability(device))
+        if device.index is not None:
+            _archs[device] = arch
+    return arch
 
 
 def cuda_available() -> bool:
@@ -79,9 +88,18 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+_fla_found: list[bool] = []
+
+
 def fla_installed() -> bool:
-    """Whether FLA can be imported (checked without importing it)."""
-    return importlib.util.find_spec("fla") is not None
+    """Whether FLA can be imported (checked without importing it; a search of sys.path, so a found
+    FLA is remembered, while a missing one is looked for again)."""
+    if _fla_found:
+        return True
+    if importlib.util.find_spec("fla") is None:
+        return False
+    _fla_found.append(True)
+    return True
 
 
 _resolved: dict[str, Any] = {}

@@ -51,8 +51,11 @@ def public_op(
     def wrap(stub: Callable[..., Any]) -> Callable[..., Any]:
         bind = _binder(stub)
         plannable = frozenset(inspect.signature(stub).parameters) | plan_kwargs
-        plans: dict[tuple, Plan] = {}
+        plans = Plans()
         _dispatch.plan_caches.append(plans)
+        # keyword-name tuples seen so far -> whether every name is plannable (a set test per call
+        # costs more than this lookup of a tuple whose string hashes are cached)
+        named: dict[tuple[str, ...], bool] = {}
 
         def prepare_inputs(*args: Any, **kwargs: Any) -> dict[str, Any]:
             arguments, extra = bind(args, kwargs)
@@ -60,11 +63,28 @@ def public_op(
 
         @functools.wraps(stub)
         def op(*args: Any, **kwargs: Any) -> Any:
-            key = call_key(args, kwargs, plannable)
+            if kwargs:
+                names = tuple(kwargs)
+                ok = named.get(names)
+                if ok is None:
+                    if len(named) >= PLAN_CACHE_MAX:
+                        named.clear()
+                    ok = named[names] = plannable.issuperset(names)
+                raw = args + tuple(kwargs.values())
+                key = _key(len(args), names, raw) if ok else None
+            else:
+                raw = args
+                key = _key(len(args), (), raw)
             if key is not None:
+                last = plans.last
+                # a model calls one signature over and over (every layer, every step): one
+                # comparison with the last plan's key instead of hashing the key for the dict
+                if last is not None and last[0] == key:
+                    return last[1].run(name, raw)
                 plan = plans.get(key)
                 if plan is not None:
-                    return plan.run(name, args + tuple(kwargs.values()) if kwargs else args)
+                    plans.last = (key, plan)
+                    return plan.run(name, raw)
             previous = V.start_recording_value_checks()
             try:
                 inputs = prepare_inputs(*args, **kwargs)
@@ -79,11 +99,12 @@ def public_op(
                 warn_fallback(name, skip.backend, skip.reason, decision.backend, stacklevel=2)
             chosen = next(c for c in _dispatch.TABLE[name] if c.name == decision.backend)
             if key is not None:
-                plan = Plan.make(chosen, decision.backend, warned, inputs, checks, args + tuple(kwargs.values()))
+                plan = Plan.make(chosen, decision.backend, warned, inputs, checks, raw)
                 if plan is not None:
                     if len(plans) >= PLAN_CACHE_MAX:
                         plans.clear()
                     plans[key] = plan
+                    plans.last = (key, plan)
             return chosen(inputs)
 
         op.prepare_inputs = prepare_inputs
@@ -98,25 +119,38 @@ def call_key(args: tuple, kwargs: dict[str, Any], plannable: frozenset[str]) -> 
     """What validation and the dispatch decision of this call can depend on, or None when that
     cannot be captured cheaply (then the call is validated and dispatched in full, as always).
 
-    Per tensor: its type, shape, strides, dtype, device, requires_grad and 16-byte alignment (the
-    kernels' ``supports()`` read contiguity and alignment); per other argument its type and value
-    (``True`` and ``1`` differ, so do ``0.0`` and ``-0.0``); which arguments came by position and
-    which by keyword; grad mode, the ``CULA_*`` environment and the environment probes. Tensor
-    *values* are not in it: the value checks are replayed on every call (:class:`Plan`).
+    Per tensor: its type, shape, contiguity, dtype, device, 16-byte alignment and (with grad mode on)
+    requires_grad; per other argument its type and value (``True`` and ``1`` differ, so do ``0.0``
+    and ``-0.0``); which arguments came by position and which by keyword; grad mode, the ``CULA_*``
+    environment and the environment probes. Tensor *values* are not in it: the value checks are
+    replayed on every call (:class:`Plan`).
+
+    Why that suffices: validation reads shapes, dtypes, devices and (with grad mode on)
+    requires_grad; dispatch reads those plus, in the kernels' ``supports()``, contiguity and data
+    pointer alignment (16 bytes at most); a decode kernel's runner (``module.runner``) fixes from the
+    same facts which inputs it copies dense. Nothing reads strides beyond contiguity (a planned
+    non-contiguous input is copied, or handed to FLA / torch, as a fresh call would) nor
+    requires_grad with grad mode off. A new check on anything else must extend this key.
     """
-    parts: list[Any] = [len(args), torch.is_grad_enabled(), _dispatch.env_key(), _dispatch.probes_key()]
     if kwargs:
         names = tuple(kwargs)
         if not plannable.issuperset(names):
             return None  # an unknown or deprecated keyword: prepare warns about it on every call
-        parts.append(names)
-        values: Any = (*args, *kwargs.values())
-    else:
-        values = args
+        return _key(len(args), names, args + tuple(kwargs.values()))
+    return _key(len(args), (), args)
+
+
+def _key(n_args: int, names: tuple[str, ...], values: tuple) -> tuple | None:
+    """:func:`call_key` of the raw arguments ``values`` (``args + kwargs.values()``), ``n_args`` of them
+    positional and the rest passed by the keywords ``names``."""
+    grad = torch.is_grad_enabled()
+    parts: list[Any] = [n_args, names, grad, _dispatch.env_key(), _dispatch.probes_key()]
     append = parts.append
     for x in values:
         if isinstance(x, _Tensor):
-            append((x.__class__, x.shape, x.stride(), x.dtype, x.device, x.requires_grad, x.data_ptr() & 15))
+            # requires_grad is read only with grad mode on: nothing cula does depends on it otherwise
+            append((x.__class__, x.shape, x.is_contiguous(), x.dtype, x.device, grad and x.requires_grad,
+                    x.data_ptr() & 15))
         elif x is None or x is True or x is False:
             append(x)
         else:
@@ -130,6 +164,21 @@ def call_key(args: tuple, kwargs: dict[str, Any], plannable: frozenset[str]) -> 
     return tuple(parts)
 
 
+class Plans(dict):
+    """An op's call plans by :func:`call_key`, and the last one looked up (``(key, plan)``, reset with
+    the rest by ``clear``)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: tuple | None = None
+
+    def clear(self) -> None:
+        self.last = None
+        super().clear()
+
+
 class Plan:
     """How a validated call signature runs: the backend chosen, where each of its arguments comes
     from in the raw call (``args + kwargs.values()``) or which constant it is, the value checks to
@@ -137,12 +186,16 @@ class Plan:
 
     It holds no tensor: constants are the non-tensor inputs the key fixes."""
 
-    __slots__ = ("candidate", "module", "kernel", "names", "pick", "consts", "checks", "warned", "backend")
+    __slots__ = ("candidate", "module", "kernel", "names", "pick", "consts", "checks", "warned", "backend",
+                 "runner", "runner_pick")
 
-    def __init__(self, candidate, module, recipe, checks, warned, backend, n_raw):
+    def __init__(self, candidate, module, recipe, checks, warned, backend, n_raw, runner=None, runner_slots=()):
         self.candidate = candidate
         self.module = module
         self.kernel = candidate.kernel
+        # a kernel's prepared launch (``module.runner``), called with the raw tensors it names
+        self.runner = runner
+        self.runner_pick = _getter(runner_slots) if runner is not None else None
         # the arguments are picked from ``raw + consts`` by one itemgetter: no per-argument bytecode
         self.names = tuple(n for n, _, _ in recipe)
         self.consts = tuple(c for _, i, c in recipe if i < 0)
@@ -153,7 +206,7 @@ class Plan:
             else:
                 where.append(n_raw + k)
                 k += 1
-        self.pick = operator.itemgetter(*where) if len(where) > 1 else (lambda seq, j=where[0]: (seq[j],))
+        self.pick = _getter(where)
         self.checks = checks
         self.warned = warned
         self.backend = backend
@@ -182,10 +235,19 @@ class Plan:
                     out.append((n, -1, x))
             return tuple(out)
 
-        module = None
+        module = runner = None
+        runner_slots: tuple[int, ...] = ()
         if candidate.kernel is not None:
             module, _ = _dispatch.load_kernel(candidate.kernel)
-            recipe = recipe_of(_dispatch.kernel_kwargs(candidate.kernel, inputs))
+            kwargs = _dispatch.kernel_kwargs(candidate.kernel, inputs)
+            recipe = recipe_of(kwargs)
+            make_runner = getattr(module, "runner", None)
+            if recipe is not None and make_runner is not None:
+                try:
+                    runner = make_runner(**kwargs)
+                    runner_slots = tuple(slot_of[id(kwargs[name])] for name in runner.names)
+                except Exception:  # the host function raises it again when the call runs it
+                    runner = None
         else:
             recipe = recipe_of(inputs)
         if recipe is None:
@@ -196,17 +258,26 @@ class Plan:
             if i is None:
                 return None
             replay.append((i, key, check))
-        return Plan(candidate, module, recipe, tuple(replay), warned, backend, len(raw))
+        return Plan(candidate, module, recipe, tuple(replay), warned, backend, len(raw), runner, runner_slots)
 
     def run(self, op: str, raw: tuple) -> Any:
         for i, key, check in self.checks:
             V.check_values_once(raw[i], key, check)
         for skip in self.warned:
             warn_fallback(op, skip.backend, skip.reason, self.backend, stacklevel=3)
+        if self.runner is not None:
+            return self.runner.run(self.runner_pick(raw))
         args = dict(zip(self.names, self.pick(raw + self.consts)))
         if self.kernel is not None:
             return getattr(self.module, self.kernel)(**args)
         return self.candidate(args)
+
+
+def _getter(where: list[int] | tuple[int, ...]) -> Callable[[tuple], tuple]:
+    """``seq -> tuple(seq[i] for i in where)`` in one C call (itemgetter gives a bare item for one index)."""
+    if len(where) == 1:
+        return lambda seq, j=where[0]: (seq[j],)
+    return operator.itemgetter(*where)
 
 
 def _binder(stub: Callable[..., Any]) -> Callable[[tuple, dict], tuple[dict[str, Any], dict[str, Any]]]:

@@ -133,13 +133,6 @@ _checked: dict[tuple, tuple[weakref.ref, int]] = {}
 _CHECKED_MAX = 1024
 
 
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter: never cache them
-        return None
-
-
 def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -155,7 +148,10 @@ def check_values_once(t: torch.Tensor, key: tuple, check: Callable[[torch.Tensor
     rec = getattr(_recorder, "checks", None)
     if rec is not None:
         rec.append((t, key, check))
-    version = _version(t)
+    try:  # (_version inlined: this runs on every call of a planned op)
+        version = t._version
+    except RuntimeError:  # inference tensors have no version counter: never cache them
+        version = None
     full_key = (id(t), *key)
     hit = _checked.get(full_key)
     if hit is not None and version is not None and hit[0]() is t and hit[1] == version:

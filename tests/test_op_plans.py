@@ -265,3 +265,50 @@ def test_fla_and_kernel_choices_stay_the_same_as_explain(hopper, monkeypatch):
         got = fused_recurrent_kda(**x)[0]
         expected = cula.backends("fused_recurrent_kda", **x).backend
         assert (got == "o") == (expected == CULA_SM90) and (got == "fla") == (expected == FLA_TRITON)
+
+
+def test_the_last_plan_is_forgotten_with_the_rest(hopper, monkeypatch):
+    first = fake_kernel(monkeypatch, "lightning_decode")
+    x = lightning(t=1)
+    for _ in range(2):
+        lightning_attn_decode(**x)
+    assert lightning_attn_decode.plans.last is not None and len(first.calls) == 2
+    _dispatch.clear_caches()  # e.g. a test swapping the kernel module, as here
+    assert lightning_attn_decode.plans.last is None
+    second = fake_kernel(monkeypatch, "lightning_decode")
+    lightning_attn_decode(**x)
+    assert len(first.calls) == 2 and len(second.calls) == 1
+
+
+def test_requires_grad_is_not_in_the_key_without_grad_mode(hopper, monkeypatch):
+    mod = fake_kernel(monkeypatch, "lightning_decode")
+    with torch.no_grad():
+        lightning_attn_decode(**lightning(t=1))
+        lightning_attn_decode(**lightning(t=1, grad=True))  # nothing reads requires_grad here
+    assert len(lightning_attn_decode.plans) == 1 and len(mod.calls) == 2
+    fake_fla(monkeypatch, "fla.ops.simple_gla", "fused_recurrent_simple_gla", lambda *a, **kw: ("fla", None))
+    with pytest.warns(CulaFallbackWarning, match="gradients"):
+        lightning_attn_decode(**lightning(t=1, grad=True))  # with grad mode on it is
+    assert len(mod.calls) == 2 and len(lightning_attn_decode.plans) == 2
+
+
+def test_device_capability_is_asked_once_per_device(monkeypatch):
+    asked = []
+    monkeypatch.setattr(_dispatch, "_archs", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (9, 0))
+    for device in ("cuda:0", "cuda:0", "cuda:1", "cuda", "cuda"):
+        assert _dispatch.device_arch(torch.device(device)) == (9, 0)
+    assert [str(d) for d in asked] == ["cuda:0", "cuda:1", "cuda", "cuda"]  # "cuda" follows the current device
+    assert _dispatch.device_arch(torch.device("cpu")) is None
+
+
+def test_a_found_fla_is_remembered_a_missing_one_looked_for_again(monkeypatch):
+    import importlib.util
+
+    found = []
+    monkeypatch.setattr(_dispatch, "_fla_found", [])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: found.append(name) or (object() if len(found) > 1
+                                                                                        else None))
+    assert not _dispatch.fla_installed()
+    assert _dispatch.fla_installed() and _dispatch.fla_installed()
+    assert found == ["fla", "fla"]
