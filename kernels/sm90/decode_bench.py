@@ -315,6 +315,16 @@ def launcher_overhead(case: DecodeCase) -> dict[str, float]:
     out["host_fn_us"] = host_time(lambda: fn(**inputs)) * 1e6
     out["launch_fast_us"] = host_time(lambda: launcher(*values)) * 1e6
     out["launch_public_us"] = host_time(lambda: launcher.call_public(*values)) * 1e6
+    # the public op on the same inputs: its repeated calls take the planned path (issue 6: <= 20 us)
+    import cula
+
+    name = "fused_recurrent_kda" if case.variant == "kda" else "lightning_attn_decode"
+    try:  # (kept apart: a failure here must not lose the launcher numbers above)
+        public = getattr(cula.kda if case.variant == "kda" else cula.lightning, name)
+        out["public_backend"] = cula.backends(name, **inputs).backend
+        out["public_op_us"] = host_time(lambda: public(**inputs)) * 1e6
+    except Exception as exc:
+        out["public_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return out
 
 
