@@ -88,7 +88,8 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("recur_v_first", True), ("recur_v2", True),
                                                ("recur_v2_v_first", True), ("recur_v2_no_state", True),
                                                ("intra_tc", True),
-                                               ("intra_tc_fp32_gate", True), ("intra_tc_plain_gva", True)])
+                                               ("intra_tc_fp32_gate", True), ("intra_tc_plain_gva", True),
+                                               ("intra_tc_packed_offdiag", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -116,6 +117,10 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         assert rep.count("wgmma.mma_async") == 72
         assert rep.count("cp.async.bulk.tensor") == 5  # TMA stores: aqk, w and u (two 64-column boxes)
         assert rep.count("ld.global.v4") >= 32 and rep.count("st.shared.v4") >= 48  # 16-byte accesses
+        # the packed off-diagonal scaling is one mul.bf16x2 per pair of columns (k and q rows), the
+        # default one none
+        packed = rep.count("mul.bf16x2") + rep.count("mul.rn.bf16x2")
+        assert packed >= 96 if target.endswith("packed_offdiag") else packed == 0
 
 
 def test_tc_layout_facts():
@@ -169,8 +174,9 @@ TC_CASES = [
 ]
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["f32-scale", "packed-offdiag"])
 @pytest.mark.parametrize("B,T,H,HV,cu,lb,a_scale,neg", TC_CASES)
-def test_tc_algorithm_matches_exact_stages(B, T, H, HV, cu, lb, a_scale, neg):
+def test_tc_algorithm_matches_exact_stages(B, T, H, HV, cu, lb, a_scale, neg, packed):
     """kda_fwd_intra_tc's algorithm (reference factors, block inverse, bf16 rounding points; torch model)
     gives the exact stage-1 scratch within bf16 error, also with gates saturated at lower_bound = -11."""
     from cula.kernels.sm90 import kda_fwd_intra_tc as tc
@@ -182,7 +188,8 @@ def test_tc_algorithm_matches_exact_stages(B, T, H, HV, cu, lb, a_scale, neg):
     qf, kf, vf, gf, bf, cu_t = kda_fwd._flatten(*args, kw["cu_seqlens"])
     chunks, _, _ = kda_fwd.chunk_tables(cu_t)
     model = tc.emulate(*(x.bfloat16() for x in (qf, kf, vf, gf, bf)), chunks, 128 ** -0.5, lb, kw["A_log"],
-                       kw["dt_bias"], use_qk_l2norm=True, use_beta_sigmoid=True, allow_neg_eigval=neg)
+                       kw["dt_bias"], use_qk_l2norm=True, use_beta_sigmoid=True, allow_neg_eigval=neg,
+                       packed_offdiag=packed)
     for name in ("w", "u", "qg", "aqk", "kgt", "gam"):
         a, b = model[name].double(), exact[name].double()
         assert torch.isfinite(a).all(), name

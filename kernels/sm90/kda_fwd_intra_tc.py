@@ -68,6 +68,10 @@ L2NORM_EPS = 1e-6
 #: (fp32 and bf16 overflow at 2^128). kda_fwd sends looser or no bounds to the exact SIMT kernel.
 MIN_LOWER_BOUND = -11.0
 SMEM_PER_SM = 233472  # H100/H200: answers the DSL's device query on a CPU compile
+#: Scale the off-diagonal A rows with packed ``mul.bf16x2`` (factor rounded to bf16 first: one rounding
+#: more, which the torch model shows to be free, and ~900 fewer PTX instructions). Off until a GPU run
+#: has checked and timed it: ``CULA_KDA_TC_PACKED_OFFDIAG=1`` turns it on for A/B runs.
+PACKED_OFFDIAG = __import__("os").environ.get("CULA_KDA_TC_PACKED_OFFDIAG", "0") == "1"
 
 BF16 = cutlass.BFloat16
 F32 = cutlass.Float32
@@ -89,8 +93,10 @@ class KdaFwdIntraTC:
         use_beta_sigmoid: bool,
         allow_neg_eigval: bool,
         group: int,
+        packed_offdiag: bool = False,
     ):
         self.use_qk_l2norm = use_qk_l2norm
+        self.packed_offdiag = packed_offdiag
         self.has_a_log = has_a_log
         self.has_dt_bias = has_dt_bias
         self.use_beta_sigmoid = use_beta_sigmoid
@@ -486,10 +492,21 @@ class KdaFwdIntraTC:
                     off = cute.assume(_swizzled_offset(a_layout, (i, d, 0)), divby=2)
                     two_k.store(cute.make_tensor(ka_raw + off, cute.make_layout(2)).load())
                     two_q.store(cute.make_tensor(qa_raw + off, cute.make_layout(2)).load())
-                    for h in cutlass.range_constexpr(2):
-                        f = sC[p, d + h]
-                        rAk_c[e + h] = (two_k[h].to(F32) * f).to(BF16)
-                        rAq_c[e + h] = (two_q[h].to(F32) * f).to(BF16)
+                    if cutlass.const_expr(self.packed_offdiag):
+                        fpair = cute.make_rmem_tensor(cute.make_layout(2), F32)
+                        fpair[0] = sC[p, d]
+                        fpair[1] = sC[p, d + 1]
+                        fb2 = fpair.load().to(BF16)
+                        pk = two_k.load() * fb2  # one mul.bf16x2 per pair of columns
+                        pq = two_q.load() * fb2
+                        for h in cutlass.range_constexpr(2):
+                            rAk_c[e + h] = pk[h]
+                            rAq_c[e + h] = pq[h]
+                    else:
+                        for h in cutlass.range_constexpr(2):
+                            f = sC[p, d + h]
+                            rAk_c[e + h] = (two_k[h].to(F32) * f).to(BF16)
+                            rAq_c[e + h] = (two_q[h].to(F32) * f).to(BF16)
             else:
                 rAk.fill(0.0)
                 rAq.fill(0.0)
@@ -788,6 +805,7 @@ def compile_targets():
         "plain_gva": build(cutlass.BFloat16, **{**full, "use_qk_l2norm": False, "has_a_log": False,
                                                  "has_dt_bias": False, "use_beta_sigmoid": False,
                                                  "allow_neg_eigval": True, "group": 2}),
+        "packed_offdiag": build(cutlass.BFloat16, **full, packed_offdiag=True),
     }
 
 
@@ -795,12 +813,13 @@ def compile_targets():
 # torch model of the kernel (same factorisation, inverse steps and bf16 rounding points)
 # ------------------------------------------------------------------------------------------------
 def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=None,
-            use_qk_l2norm=False, use_beta_sigmoid=False, allow_neg_eigval=False):
+            use_qk_l2norm=False, use_beta_sigmoid=False, allow_neg_eigval=False, packed_offdiag=False):
     """The stage-1 scratch exactly as this kernel forms it, in torch (CPU or GPU).
 
     ``q, k: [TT, H, 128]``, ``v, g: [TT, HV, 128]``, ``beta: [TT, HV]`` (flattened tokens), ``chunks``
     the ``[NC, 2]`` table of ``kda_fwd.chunk_tables``. Returns the dict of ``kda_fwd.emulate_stages``
-    (w, u, qg, aqk, kgt in bf16; gam fp32). It exists to test the algorithm (reference factors, block
+    (w, u, qg, aqk, kgt in bf16; gam fp32); ``packed_offdiag`` models ``PACKED_OFFDIAG``. It exists to
+    test the algorithm (reference factors, block
     inverse, where bf16 rounding happens) on a CPU against the exact emulation; the GPU check compares
     the kernel with ``kda_fwd.emulate_stages`` directly.
     """
@@ -865,8 +884,12 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
         c_ij = torch.exp2(blk_first[:, :, ib] - shift - blk_last[:, :, jb])  # [NC, HV, K]
         r = slice(ib * SUB, (ib + 1) * SUB)
         cs = slice(jb * SUB, (jb + 1) * SUB)
-        a_k = (ka[:, :, r].float() * c_ij[:, :, None]).to(bf16).float()
-        a_q = (qa[:, :, r].float() * c_ij[:, :, None]).to(bf16).float()
+        if packed_offdiag:  # bf16 x bf16 is exact in fp32, rounded once: what mul.bf16x2 does
+            a_k = (ka[:, :, r] * c_ij.to(bf16)[:, :, None]).float()
+            a_q = (qa[:, :, r] * c_ij.to(bf16)[:, :, None]).float()
+        else:
+            a_k = (ka[:, :, r].float() * c_ij[:, :, None]).to(bf16).float()
+            a_q = (qa[:, :, r].float() * c_ij[:, :, None]).to(bf16).float()
         akk[:, :, r, cs] = a_k @ kh[:, :, cs].float().transpose(-1, -2)
         aqk[:, :, r, cs] = a_q @ kh[:, :, cs].float().transpose(-1, -2)
     akk = akk * bc[..., :, None]
