@@ -389,3 +389,29 @@ def test_misaligned_views_are_named_for_the_fallback():
     assert kda_fwd._misaligned(q=ok, k=ok, v=ok, g=ok, beta=None, initial_state=None) is None
     reason = kda_fwd._misaligned(q=ok, k=odd, v=ok, g=ok, beta=None, initial_state=None)
     assert reason.startswith("k data pointer is not 16-byte aligned")
+
+
+def test_split_builds_the_suites_varlen_shapes(monkeypatch):
+    """``kda_fwd --check --split varlen`` times the suite's slowest rows (varlen n20 T8192): each call gets
+    cu_seqlens of the suite's length generator, one initial state per sequence, and all four stage sets.
+    No GPU: the op and the timer are stand-ins that record the calls."""
+    import triton.testing
+
+    from cula.kernels.sm90 import kda_fwd as kf
+    from cula.kernels.sm90 import kda_fwd_check as chk
+    from cula.suites.lengths import cu_seqlens_from_lengths, varlen_lengths
+
+    calls = []
+
+    def fake_kda_fwd(q, k, v, g, beta, stages, **kw):
+        calls.append((q.shape, kw["cu_seqlens"], kw["initial_state"].shape, stages))
+
+    monkeypatch.setattr(kf, "kda_fwd", fake_kda_fwd)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    rows = chk.split(torch.device("cpu"), chk.SPLIT_VARLEN[:1] + chk.SPLIT_FIXED[:1])
+    assert [r["shape"] for r in rows] == ["uniform-n20 T8192 H64", "B1 T4096 H64"]
+    shape, cu, h0, _ = calls[0]
+    assert shape == (1, 8192, 64, 128) and h0 == (20, 64, 128, 128)
+    assert cu.tolist() == cu_seqlens_from_lengths(varlen_lengths("uniform", 20, 8192))
+    assert [c[3] for c in calls[:4]] == [("intra", "recur"), ("intra",), ("recur",), ()]
+    assert calls[4][1] is None and calls[4][2] == (1, 64, 128, 128)

@@ -146,26 +146,41 @@ def bench(dev, shapes=((1, 8192, 64), (2, 16384, 64))):
     return rows
 
 
-def split(dev, shapes=((1, 4096, 64), (2, 4096, 64), (1, 16384, 64))) -> list[dict]:
+#: ``--split`` shapes: (B, T, H) fixed, or ("dist", n_seqs, T, H) varlen as the ``kda`` suite builds it
+#: (its slowest rows against FLA are varlen n20 T8192, ``--split varlen``)
+SPLIT_FIXED = ((1, 4096, 64), (2, 4096, 64), (1, 16384, 64))
+SPLIT_VARLEN = (("uniform", 20, 8192, 64), ("random", 20, 8192, 64), ("skewed", 20, 8192, 64))
+
+
+def split(dev, shapes=SPLIT_FIXED) -> list[dict]:
     """Time each stage alone and both together (median ms, L2 flushed by do_bench), with the suite's flags."""
     import triton.testing
 
     from cula.kernels.sm90.kda_fwd import kda_fwd
+    from cula.suites.lengths import cu_seqlens_from_lengths, varlen_lengths
 
     rows = []
-    for B, T, H in shapes:
+    for shape in shapes:
+        if isinstance(shape[0], str):  # varlen: one packed batch of n sequences, T tokens in all
+            dist, n, T, H = shape
+            B, name = 1, f"{dist}-n{n} T{T} H{H}"
+            cu = torch.tensor(cu_seqlens_from_lengths(varlen_lengths(dist, n, T)), dtype=torch.int32, device=dev)
+            N = n
+        else:
+            B, T, H = shape
+            name, cu, N = f"B{B} T{T} H{H}", None, B
         q, k, v, g = (torch.randn(B, T, H, 128, device=dev, dtype=torch.bfloat16) for _ in range(4))
         beta = torch.randn(B, T, H, device=dev, dtype=torch.bfloat16)
-        h0 = torch.zeros(B, H, 128, 128, device=dev)
+        h0 = torch.zeros(N, H, 128, 128, device=dev)
         kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                   A_log=torch.randn(H, device=dev), dt_bias=torch.randn(H * 128, device=dev) * 0.1,
-                  lower_bound=-5.0, safe_gate=True, initial_state=h0, output_final_state=True)
-        row = dict(B=B, T=T, H=H)
-        for name, st in (("both", ("intra", "recur")), ("intra", ("intra",)), ("recur", ("recur",)),
-                         ("host", ())):
-            row[name] = triton.testing.do_bench(lambda: kda_fwd(q, k, v, g, beta, **kw, stages=st),
-                                                warmup=20, rep=200, return_mode="median")
-        print(f"split B{B} T{T} H{H}: " + " ".join(f"{n}={row[n]:.3f}ms" for n in ("both", "intra", "recur", "host")),
+                  lower_bound=-5.0, safe_gate=True, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        row = dict(shape=name)
+        for stage, st in (("both", ("intra", "recur")), ("intra", ("intra",)), ("recur", ("recur",)),
+                          ("host", ())):
+            row[stage] = triton.testing.do_bench(lambda: kda_fwd(q, k, v, g, beta, **kw, stages=st),
+                                                 warmup=20, rep=200, return_mode="median")
+        print(f"split {name}: " + " ".join(f"{n}={row[n]:.3f}ms" for n in ("both", "intra", "recur", "host")),
               flush=True)
         rows.append(row)
     return rows
@@ -202,8 +217,9 @@ def main(argv: list[str]) -> int:
 
         kf.INTRA_TC = False
         print("stage 1: SIMT only", flush=True)
-    if "--split" in argv:
-        split(dev)
+    if "--split" in argv:  # --split [varlen | all]
+        nxt = argv[argv.index("--split") + 1] if argv.index("--split") + 1 < len(argv) else ""
+        split(dev, {"varlen": SPLIT_VARLEN, "all": SPLIT_FIXED + SPLIT_VARLEN}.get(nxt, SPLIT_FIXED))
         return 0
     cases = CASES[:3] if "--quick" in argv else CASES
     if "--cases" in argv:  # comma list of case names
