@@ -3,14 +3,15 @@
 # the priority order of docs/DEVICE.md. Each step has its own timeout (a hang costs one step), writes
 # $OUT/<step>.log and prints its tail; the summary lines start with "==".
 #   run(command="source .device/env.sh && bash kernels/sm90/device_round.sh [steps...]", carry=[".device"])
-# Steps (default: all, in this order): gpu_tests blocked v2 fast
+# Steps (default: the next session's plan in docs/DEVICE.md, in this order): decode bench_gpu kda_check packed
+# Others: decode_suite (set CULA_GIT_SHA to the committed sha first), gpu_tests, blocked, v2, fast
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/device_round}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . >"$OUT/install.log" 2>&1 \
     || { echo "== install failed"; tail -5 "$OUT/install.log"; }
-steps=${*:-gpu_tests blocked v2 fast}
+steps=${*:-decode bench_gpu kda_check packed}
 start=$SECONDS
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 t=$2; shift 2
@@ -23,6 +24,24 @@ step() {  # step NAME TIMEOUT CMD...
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 for s in $steps; do
     case $s in
+    decode)  # the decode host fast path (session 4, CPU-only so far): GPU tests, then decode_bench
+        step decode_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --maxfail=20 \
+            tests/test_kernel_kda_decode.py tests/test_kernel_lightning_decode.py tests/test_decode_fast_path.py
+        step decode_bench 80 python3 -m cula.kernels.sm90.decode_bench --out "$OUT" ;;
+    bench_gpu)  # the timer after failed captures: memory, RNG and stream
+        step bench_gpu 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_bench_gpu.py ;;
+    kda_check)  # stage 1 at 7acbd92 ran only tc-T65-gva-vfirst and the suite's rows
+        step kda_check 120 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases tc-varlen-33,tc-T1000-negeig,tc-T1 ;;
+    packed)  # stage 1's packed off-diagonal scaling (off by default): check, then A/B splits
+        step kda_packed 120 env CULA_KDA_TC_PACKED_OFFDIAG=1 python3 -m cula.kernels.sm90.kda_fwd --check \
+            --no-bench --cases tc-T1,tc-varlen-33,tc-lb11-strong
+        step kda_split_base 100 python3 -m cula.kernels.sm90.kda_fwd --check --split all
+        step kda_split_packed 100 env CULA_KDA_TC_PACKED_OFFDIAG=1 python3 -m cula.kernels.sm90.kda_fwd \
+            --check --split all ;;
+    decode_suite)  # the public decode ops against FLA (the eager rows move with the host fast path)
+        step decode_suite 120 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite decode --mode both \
+            --impl fla,cula --plain --out-dir "$OUT" --max-time 0.15 ;;
     gpu_tests)  # the public ops (call plans landed CPU-only) and the validated kernels
         step gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --maxfail=20 \
             tests/test_api_gpu.py tests/test_kernel_lightning_fwd.py tests/test_kernel_kda_decode.py \
