@@ -230,6 +230,34 @@ _data_ptr = torch.Tensor.data_ptr  # map() calls the method descriptor without a
 RUNNERS_MAX = 256
 
 
+def cached_runner(cache: dict, tensor_args: tuple[str, ...], used: tuple, config: tuple, dtypes: tuple,
+                  statics: tuple, final: Any, make_launcher: Any, stream_query: Any) -> DecodeRunner:
+    """The :class:`DecodeRunner` of a checked decode call, from a kernel module's ``cache``.
+
+    ``tensor_args`` names the kernel's tensor arguments in order (``initial_state`` then
+    ``state_indices`` last), ``used`` the tensors of this call (None where absent or unused), ``config`` /
+    ``dtypes`` its compiled-kernel key, ``statics`` its sizes and scalars (``B`` first), ``final`` the
+    final-state mode (INPLACE, a shape, or None), ``make_launcher()`` the compiled kernel's launcher and
+    ``stream_query()`` the runner's stream getter (both only called for a new signature). The kernel's pointer arguments are the present tensors up to
+    the initial state, the final state, o and the state indices."""
+    device = used[0].device
+    # the initial state is never copied: kernel_reason refused one that is not contiguous and aligned
+    copy = tuple(n for n, x in zip(tensor_args, used) if x is not None and n != "initial_state" and not is_dense(x))
+    key = (config, dtypes, statics, device, copy)
+    hit = cache.get(key)
+    if hit is None:
+        names = tuple(n for n, x in zip(tensor_args, used) if x is not None)
+        pointers = (*(n if x is not None else None for n, x in zip(tensor_args[:-1], used[:-1])),
+                    "final_state" if final is not None else None, "o",
+                    tensor_args[-1] if used[-1] is not None else None)
+        hit = DecodeRunner(make_launcher() if statics[0] else None, names, pointers, "v", final, statics, device,
+                           copy, stream_query(), tensor_args)
+        if len(cache) >= RUNNERS_MAX:
+            cache.clear()
+        cache[key] = hit
+    return hit
+
+
 # The work split both decode kernels use: each warp owns V_PER_WARP values of V and all of K.
 V_PER_WARP = 8
 WARP_CHOICES = (4, 2, 1)  # warps per CTA: the most that still gives MIN_CTAS CTAs (small B: more SMs)

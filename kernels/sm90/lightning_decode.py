@@ -35,17 +35,16 @@ from cula.kernels.common.decode_host import (
     DecodeRunner,
     INPLACE,
     MAX_T,
-    RUNNERS_MAX,
     V_ALIGN,
     V_PER_WARP,
     WARP_CHOICES,
     aligned,
+    cached_runner,
     check_pool,
     cuda_tensors,
     decode_dims as _dims,
     cutlass_dtype,
     expect_numel,
-    is_dense,
     pick_warps,
     shape_of,
     state_reason,
@@ -366,21 +365,9 @@ def runner(
     dtypes = (q.dtype, k.dtype, v.dtype, decay.dtype, v.dtype, idx_dtype)
     statics = (B, T, H, HV, float(K ** -0.5 if scale is None else scale))
     used = (q, k, v, decay, initial_state, state_indices)
-    # the initial state is never copied: kernel_reason refused one that is not contiguous and aligned
-    copy = tuple(n for n, x in zip(_TENSOR_ARGS, used) if x is not None and n != "initial_state" and not is_dense(x))
-    key = (config, dtypes, statics, q.device, copy)
-    hit = _runners.get(key)
-    if hit is None:
-        names = tuple(n for n, x in zip(_TENSOR_ARGS, used) if x is not None)
-        pointers = ("q", "k", "v", "decay", "initial_state" if has_h0 else None, "final_state" if store else None,
-                    "o", "state_indices" if has_idx else None)
-        final = INPLACE if inplace else ((B, HV, K, V) if output_final_state else None)
-        hit = DecodeRunner(_launcher((config, dtypes)) if B else None, names, pointers, "v", final, statics,
-                           q.device, copy, stream_query(), _TENSOR_ARGS)
-        if len(_runners) >= RUNNERS_MAX:
-            _runners.clear()
-        _runners[key] = hit
-    return hit
+    final = INPLACE if inplace else ((B, HV, K, V) if output_final_state else None)
+    return cached_runner(_runners, _TENSOR_ARGS, used, config, dtypes, statics, final,
+                         lambda: _launcher((config, dtypes)), stream_query)
 
 
 # ------------------------------------------------------------------------------------------ CPU checks
