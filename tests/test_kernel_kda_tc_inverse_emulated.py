@@ -33,7 +33,7 @@ def _strictly_lower(seed: int, decay: float) -> torch.Tensor:
 
 def run_invert(a: torch.Tensor) -> torch.Tensor:
     ns = {"cute": emu.cute, "cutlass": emu.cutlass, "F32": emu.cutlass.Float32}
-    ns["_fvec"] = emu.rebind(tc._fvec, ns)
+    ns["_vec"] = emu.rebind(tc._vec, ns)
     invert = emu.rebind(tc.KdaFwdIntraTC.invert, ns)
     tile = emu.rebind(tc.KdaFwdIntraTC._tile_product, ns)
 

@@ -376,11 +376,11 @@ class KdaFwdIntraTC:
         eref = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # E_blk
         run = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # Γ at the chunk end
         first = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
-        cute.autovec_copy(_fvec(sTot.iterator, grp * DK + d0, COLS_PER_THREAD), pre)
-        cute.autovec_copy(_fvec(sTot.iterator, 2 * blk * DK + d0, COLS_PER_THREAD), cref)
-        cute.autovec_copy(_fvec(sTot.iterator, (2 * blk + 2) * DK + d0, COLS_PER_THREAD), eref)
-        cute.autovec_copy(_fvec(sTot.iterator, GROUPS * DK + d0, COLS_PER_THREAD), run)
-        cute.autovec_copy(_fvec(sFirst.iterator, blk * DK + d0, COLS_PER_THREAD), first)
+        cute.autovec_copy(_vec(sTot.iterator, grp * DK + d0, COLS_PER_THREAD), pre)
+        cute.autovec_copy(_vec(sTot.iterator, 2 * blk * DK + d0, COLS_PER_THREAD), cref)
+        cute.autovec_copy(_vec(sTot.iterator, (2 * blk + 2) * DK + d0, COLS_PER_THREAD), eref)
+        cute.autovec_copy(_vec(sTot.iterator, GROUPS * DK + d0, COLS_PER_THREAD), run)
+        cute.autovec_copy(_vec(sFirst.iterator, blk * DK + d0, COLS_PER_THREAD), first)
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             cref[c] = cref[c] + first[c] - shift
         fh = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # 2^(E − C): K̃ -> K̂
@@ -566,8 +566,8 @@ class KdaFwdIntraTC:
         for v8 in cutlass.range_constexpr(CHUNK // 2 // 8):
             j0 = tj0 + v8 * 8
             for h in cutlass.range_constexpr(2):
-                cute.autovec_copy(_fvec(sT.iterator, ti * PAD + j0 + 4 * h, 4), t8[h, None])
-                cute.autovec_copy(_fvec(sBeta.iterator, j0 + 4 * h, 4), b8[h, None])
+                cute.autovec_copy(_vec(sT.iterator, ti * PAD + j0 + 4 * h, 4), t8[h, None])
+                cute.autovec_copy(_vec(sBeta.iterator, j0 + 4 * h, 4), b8[h, None])
             tv = cute.make_rmem_tensor(cute.make_layout(8), F32)
             for c in cutlass.range_constexpr(8):
                 tv[c] = t8[c // 4, c % 4] * b8[c // 4, c % 4]
@@ -640,7 +640,7 @@ class KdaFwdIntraTC:
             for i in cutlass.range_constexpr(SUB):
                 # row i of the diagonal block, columns 0 .. i-1 (as whole 4-vectors: the rest is unused)
                 for q in cutlass.range_constexpr((i + 3) // 4):
-                    cute.autovec_copy(_fvec(pA, (base + i) * PAD + base + 4 * q, 4), arow[q, None])
+                    cute.autovec_copy(_vec(pA, (base + i) * PAD + base + 4 * q, 4), arow[q, None])
                 acc0 = F32(0.0)
                 acc1 = F32(0.0)  # two partial sums halve the dependency chain
                 if lane == i:
@@ -668,13 +668,13 @@ class KdaFwdIntraTC:
         self._tile_product(pA, PAD, ib * SUB + 2 * rg, jb * SUB, pT, PAD, jb * SUB, jb * SUB + 2 * cp,
                            SUB, 2, acc2)
         for x in cutlass.range_constexpr(2):
-            cute.autovec_copy(acc2[x, None], _fvec(pY, (bp * SUB + 2 * rg + x) * YPAD + 2 * cp, 2))
+            cute.autovec_copy(acc2[x, None], _vec(pY, (bp * SUB + 2 * rg + x) * YPAD + 2 * cp, 2))
         cute.arch.sync_threads()
         self._tile_product(pT, PAD, ib * SUB + 2 * rg, ib * SUB, pY, YPAD, bp * SUB, 2 * cp, SUB, 2, acc2)
         for x in cutlass.range_constexpr(2):
             for y in cutlass.range_constexpr(2):
                 acc2[x, y] = -acc2[x, y]
-            cute.autovec_copy(acc2[x, None], _fvec(pT, (ib * SUB + 2 * rg + x) * PAD + jb * SUB + 2 * cp, 2))
+            cute.autovec_copy(acc2[x, None], _vec(pT, (ib * SUB + 2 * rg + x) * PAD + jb * SUB + 2 * cp, 2))
         cute.arch.sync_threads()
         # step 3: Y = A_BA T_A, then T_BA = −T_B Y (32x32 each, k < 32); a thread owns rows 4rg .. 4rg+3
         # and columns 2cp, 2cp+1
@@ -684,13 +684,13 @@ class KdaFwdIntraTC:
         acc3 = cute.make_rmem_tensor(cute.make_layout((4, 2), stride=(2, 1)), F32)
         self._tile_product(pA, PAD, half + 4 * rg3, 0, pT, PAD, 0, 2 * cp3, half, 4, acc3)
         for x in cutlass.range_constexpr(4):
-            cute.autovec_copy(acc3[x, None], _fvec(pY, (4 * rg3 + x) * YPAD + 2 * cp3, 2))
+            cute.autovec_copy(acc3[x, None], _vec(pY, (4 * rg3 + x) * YPAD + 2 * cp3, 2))
         cute.arch.sync_threads()
         self._tile_product(pT, PAD, half + 4 * rg3, half, pY, YPAD, 0, 2 * cp3, half, 4, acc3)
         for x in cutlass.range_constexpr(4):
             for y in cutlass.range_constexpr(2):
                 acc3[x, y] = -acc3[x, y]
-            cute.autovec_copy(acc3[x, None], _fvec(pT, (half + 4 * rg3 + x) * PAD + 2 * cp3, 2))
+            cute.autovec_copy(acc3[x, None], _vec(pT, (half + 4 * rg3 + x) * PAD + 2 * cp3, 2))
         cute.arch.sync_threads()
 
     @cute.jit
@@ -708,9 +708,9 @@ class KdaFwdIntraTC:
         rpair = cute.make_rmem_tensor(cute.make_layout((4, 2), stride=(2, 1)), F32)
         for q in cutlass.range_constexpr(nk // 4):
             for x in cutlass.range_constexpr(nrows):
-                cute.autovec_copy(_fvec(pL, (row0 + x) * ldl + k0l + 4 * q, 4), lrow[x, None])
+                cute.autovec_copy(_vec(pL, (row0 + x) * ldl + k0l + 4 * q, 4), lrow[x, None])
             for h in cutlass.range_constexpr(4):
-                cute.autovec_copy(_fvec(pR, (k0r + 4 * q + h) * ldr + col0, 2), rpair[h, None])
+                cute.autovec_copy(_vec(pR, (k0r + 4 * q + h) * ldr + col0, 2), rpair[h, None])
             for h in cutlass.range_constexpr(4):
                 for x in cutlass.range_constexpr(nrows):
                     for y in cutlass.range_constexpr(2):
@@ -733,14 +733,8 @@ def _gemm_ss(mma: cute.TiledMma, acc: cute.Tensor, t_a: cute.Tensor, t_b: cute.T
 # ------------------------------------------------------------------------------------------------
 @cute.jit
 def _vec(ptr: cute.Pointer, off, n: cutlass.Constexpr) -> cute.Tensor:
-    """``(n,)`` contiguous elements at ``ptr + off``, ``off`` a multiple of ``n`` (16-byte accesses)."""
-    return cute.make_tensor(ptr + cute.assume(off, divby=n), cute.make_layout(n))
-
-
-@cute.jit
-def _fvec(ptr: cute.Pointer, off, n: cutlass.Constexpr) -> cute.Tensor:
-    """``(n,)`` contiguous fp32 values of a shared-memory matrix at element offset ``off`` (a multiple
-    of ``n``, so a copy of it is one ``n * 4``-byte access)."""
+    """``(n,)`` contiguous elements at ``ptr + off``, ``off`` a multiple of ``n``: with a base aligned to
+    ``n`` elements a copy of it is one ``n``-element vector access (global or shared memory)."""
     return cute.make_tensor(ptr + cute.assume(off, divby=n), cute.make_layout(n))
 
 
