@@ -390,6 +390,8 @@ def test_failed_capture_releases_its_memory_pool(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda dev, pool: released.append((dev, pool)),
                         raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool",
+                        lambda dev, pool: released.append(("end", dev, pool)), raising=False)
     monkeypatch.setattr(timing, "_end_generator_capture", lambda: rng_reset.append(True))
     monkeypatch.setattr(torch.cuda, "set_stream", lambda s: restored.append(s))
     calls = []
@@ -401,6 +403,7 @@ def test_failed_capture_releases_its_memory_pool(monkeypatch):
 
     t = Timer("cuda", TimingSettings()).graph(op)
     assert math.isnan(t.median_ms) and t.note.startswith("capture failed")
-    assert released == [(0, (7, 3))] and emptied
+    # the pool's allocation routing is ended (capture_end raised before doing it), then the pool released
+    assert released == [("end", 0, (7, 3)), (0, (7, 3))] and emptied
     assert rng_reset, "the CUDA RNG must be taken out of capture mode, or the next randn raises"
     assert len(restored) == 1 and isinstance(restored[0], FakeStream), "the caller's stream is current again"

@@ -252,10 +252,14 @@ def release_failed_capture(pool: Any) -> None:
     import torch
 
     gc.collect()  # tensors the op allocated may still sit in collectable exception/frame cycles
-    try:
-        torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
-    except Exception:  # noqa: BLE001 - internals differ across torch versions; never fail a run here
-        pass
+    dev = torch.cuda.current_device()
+    # capture_end raised before it ended the pool's allocation routing (endAllocateToPool), so the pool
+    # still counts as being captured into; end that first, then drop the graph's reference to it
+    for step in (torch._C._cuda_endAllocateToPool, torch._C._cuda_releasePool):
+        try:
+            step(dev, pool)
+        except Exception:  # noqa: BLE001 - internals differ across torch versions; never fail a run here
+            pass
     _end_generator_capture()
     torch.cuda.empty_cache()
 

@@ -328,6 +328,32 @@ def launcher_overhead(case: DecodeCase) -> dict[str, float]:
     return out
 
 
+def profile_public_op(case: DecodeCase, calls: int = 3000, top: int = 25) -> None:
+    """Where the public op's host time goes: cProfile of ``calls`` repeated calls (the planned path),
+    the ``top`` functions by own time. Profiling inflates every Python call, so read it for shares."""
+    import cProfile
+    import io
+    import pstats
+
+    import cula
+
+    inputs = make_inputs(case)
+    name = "fused_recurrent_kda" if case.variant == "kda" else "lightning_attn_decode"
+    public = getattr(cula.kda if case.variant == "kda" else cula.lightning, name)
+    for _ in range(10):
+        public(**inputs)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        public(**inputs)
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    print(f"== profile {case.label} ({calls} calls)\n{buf.getvalue()}", flush=True)
+
+
 # --------------------------------------------------------------------------------------------- main
 
 
@@ -338,8 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", default="32")
     ap.add_argument("--T", type=int, default=1)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--profile", action="store_true",
+                    help="only profile the public ops' host path (cProfile, B1 H32) and exit")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
+    if args.profile:
+        for variant in args.variants.split(","):
+            profile_public_op(DecodeCase(variant, 1, 1, 32, 32,
+                                         flags=KDA_SERVING_FLAGS if variant == "kda" else {}))
+        return 0
     copy_rate = copy_bandwidth()
     print(f"copy bandwidth: {copy_rate / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []

@@ -170,10 +170,11 @@ def varlen_tables(cu_seqlens: torch.Tensor, total_tokens: int) -> tuple[torch.Te
     """:func:`chunk_tables` without a device-to-host copy: ``NC`` is the bound
     ``total_tokens // 64 + N`` (no sequence has more than ``len // 64 + 1`` chunks), known from shapes.
 
-    Chunks past the real count are dummies ``(first token 0, 1 valid row)``: stage 1 computes them into
-    scratch rows nobody reads, and stage 2 only walks each sequence's own chunks (``seqs``). So a varlen
-    call needs no sync and can be captured in a CUDA graph. Needs ``total_tokens >= 1`` (a dummy reads
-    token 0). Built on ``cu_seqlens``' device with torch ops; cached per tensor and in-place version.
+    Chunks past the real count are dummies ``(first token 0, 0 valid rows)``: the tensor-core stage 1
+    returns at once for them, the SIMT one (whose loads are guarded by the row count) writes zeros, into
+    scratch rows nobody reads; stage 2 only walks each sequence's own chunks (``seqs``). So a varlen call
+    needs no sync and can be captured in a CUDA graph. Built on ``cu_seqlens``' device with torch ops;
+    cached per tensor and in-place version.
     """
     hit = _VARLEN_TABLES.get(id(cu_seqlens))
     if hit is not None and hit[0] is cu_seqlens and hit[1] == cu_seqlens._version and hit[2] == total_tokens:
@@ -192,7 +193,7 @@ def varlen_tables(cu_seqlens: torch.Tensor, total_tokens: int) -> tuple[torch.Te
     tok0 = cu[:-1][seq_c] + CHUNK * (c - first[seq_c])
     nvalid = torch.minimum(cu[1:][seq_c] - tok0, torch.full_like(tok0, CHUNK))
     tok0 = torch.where(real, tok0, torch.zeros_like(tok0))
-    nvalid = torch.where(real, nvalid, torch.ones_like(nvalid))
+    nvalid = torch.where(real, nvalid, torch.zeros_like(nvalid))
     chunks = torch.stack([tok0, nvalid], 1).to(torch.int32)
     seqs = torch.stack([first, nch], 1).to(torch.int32)
     tables = (chunks, seqs, nc_max)
