@@ -40,16 +40,16 @@ for s in $steps; do
         step kda_split_packed 100 env CULA_KDA_TC_PACKED_OFFDIAG=1 python3 -m cula.kernels.sm90.kda_fwd \
             --check --split all ;;
     round5)  # session 5: timer memory fix, decode host profile, dummy-chunk exit checks and splits
-        step bench_gpu 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rf -x tests/test_bench_gpu.py -k "not tiny"
-        step decode_profile 60 python3 -m cula.kernels.sm90.decode_bench --profile
-        step kda_check 150 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
+        step bench_gpu 45 python3 -m pytest -q -m gpu -p no:cacheprovider -rf -x tests/test_bench_gpu.py -k "not tiny"
+        step decode_profile 45 python3 -m cula.kernels.sm90.decode_bench --profile
+        step kda_check 130 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases tc-varlen-33,tc-varlen-zero,varlen-zero
         step kda_split 60 python3 -m cula.kernels.sm90.kda_fwd --check --split all ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
     decode_suite)  # the public decode ops against FLA (the eager rows move with the host fast path)
-        step decode_suite 120 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite decode --mode both \
+        step decode_suite 110 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite decode --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.15 ;;
     gpu_tests)  # the public ops (call plans landed CPU-only) and the validated kernels
         step gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --maxfail=20 \
