@@ -3,7 +3,7 @@
 # the priority order of docs/DEVICE.md. Each step has its own timeout (a hang costs one step), writes
 # $OUT/<step>.log and prints its tail; the summary lines start with "==".
 #   run(command="source .device/env.sh && bash kernels/sm90/device_round.sh [steps...]", carry=[".device"])
-# Steps (default: the next session's plan in docs/DEVICE.md, in this order): decode bench_gpu kda_check packed
+# Steps: see the case labels below; docs/DEVICE.md names the next session's ("next")
 # Others: decode_suite (set CULA_GIT_SHA to the committed sha first), gpu_tests, blocked, v2, fast
 set -u
 cd "$(dirname "$0")/../.."
@@ -45,6 +45,10 @@ for s in $steps; do
         step kda_check 130 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases tc-varlen-33,tc-varlen-zero,varlen-zero
         step kda_split 60 python3 -m cula.kernels.sm90.kda_fwd --check --split all ;;
+    next)  # the next session's plan (docs/DEVICE.md): public-op GPU tests, the remaining stage-1 checks
+        step api_gpu 170 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --maxfail=10 tests/test_api_gpu.py
+        step kda_check 130 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases tc-varlen-33,tc-T65-gva-vfirst ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
