@@ -71,10 +71,10 @@ def public_op(
                         named.clear()
                     ok = named[names] = plannable.issuperset(names)
                 raw = args + tuple(kwargs.values())
-                key = _key(len(args), names, raw) if ok else None
+                key = call_key(len(args), names, raw) if ok else None
             else:
                 raw = args
-                key = _key(len(args), (), raw)
+                key = call_key(len(args), (), raw)
             if key is not None:
                 last = plans.last
                 # a model calls one signature over and over (every layer, every step): one
@@ -115,9 +115,12 @@ def public_op(
     return wrap
 
 
-def call_key(args: tuple, kwargs: dict[str, Any], plannable: frozenset[str]) -> tuple | None:
-    """What validation and the dispatch decision of this call can depend on, or None when that
-    cannot be captured cheaply (then the call is validated and dispatched in full, as always).
+def call_key(n_args: int, names: tuple[str, ...], values: tuple) -> tuple | None:
+    """What validation and the dispatch decision of a call can depend on, or None when that cannot
+    be captured cheaply (then the call is validated and dispatched in full, as always). ``values`` are
+    the raw arguments (``args + kwargs.values()``), ``n_args`` of them positional and the rest passed
+    by the keywords ``names``; the public op has already refused to plan a call with a keyword outside
+    its signature (``prepare`` warns about those on every call).
 
     Per tensor: its type, shape, contiguity, dtype, device, 16-byte alignment and (with grad mode on)
     requires_grad; per other argument its type and value (``True`` and ``1`` differ, so do ``0.0``
@@ -132,17 +135,6 @@ def call_key(args: tuple, kwargs: dict[str, Any], plannable: frozenset[str]) -> 
     non-contiguous input is copied, or handed to FLA / torch, as a fresh call would) nor
     requires_grad with grad mode off. A new check on anything else must extend this key.
     """
-    if kwargs:
-        names = tuple(kwargs)
-        if not plannable.issuperset(names):
-            return None  # an unknown or deprecated keyword: prepare warns about it on every call
-        return _key(len(args), names, args + tuple(kwargs.values()))
-    return _key(len(args), (), args)
-
-
-def _key(n_args: int, names: tuple[str, ...], values: tuple) -> tuple | None:
-    """:func:`call_key` of the raw arguments ``values`` (``args + kwargs.values()``), ``n_args`` of them
-    positional and the rest passed by the keywords ``names``."""
     grad = torch.is_grad_enabled()
     parts: list[Any] = [n_args, names, grad, _dispatch.env_key(), _dispatch.probes_key()]
     append = parts.append
@@ -195,7 +187,7 @@ class Plan:
         self.kernel = candidate.kernel
         # a kernel's prepared launch (``module.runner``), called with the raw tensors it names
         self.runner = runner
-        self.runner_pick = _getter(runner_slots) if runner is not None else None
+        self.runner_pick = getter(runner_slots) if runner is not None else None
         # the arguments are picked from ``raw + consts`` by one itemgetter: no per-argument bytecode
         self.names = tuple(n for n, _, _ in recipe)
         self.consts = tuple(c for _, i, c in recipe if i < 0)
@@ -206,7 +198,7 @@ class Plan:
             else:
                 where.append(n_raw + k)
                 k += 1
-        self.pick = _getter(where)
+        self.pick = getter(where)
         self.checks = checks
         self.warned = warned
         self.backend = backend
@@ -273,8 +265,9 @@ class Plan:
         return self.candidate(args)
 
 
-def _getter(where: list[int] | tuple[int, ...]) -> Callable[[tuple], tuple]:
-    """``seq -> tuple(seq[i] for i in where)`` in one C call (itemgetter gives a bare item for one index)."""
+def getter(where: list[int] | tuple[int, ...]) -> Callable[[tuple], tuple]:
+    """``seq -> tuple(seq[i] for i in where)`` in one C call (itemgetter gives a bare item for one index);
+    the call plans and the decode runners pick their arguments with it."""
     if len(where) == 1:
         return lambda seq, j=where[0]: (seq[j],)
     return operator.itemgetter(*where)

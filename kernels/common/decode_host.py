@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from cula._op import getter
+
 #: Activation dtypes the decode kernels are compiled for.
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -105,6 +107,14 @@ def check_pool(
                          f"got {initial_state.shape[0]}")
 
 
+def check_out(out: torch.Tensor | None, v: torch.Tensor) -> None:
+    """``out`` (a caller-provided o) must be None or a contiguous 16-byte aligned tensor like ``v``."""
+    if out is not None and (tuple(out.shape) != tuple(v.shape) or out.dtype != v.dtype or not out.is_contiguous()
+                            or not aligned(out)):
+        raise ValueError(f"out: expected a contiguous 16-byte aligned {v.dtype} tensor of shape "
+                         f"{list(v.shape)}, got {shape_of(out)}")
+
+
 def cuda_tensors(*tensors: Any) -> bool:
     """Whether every one of ``tensors`` that is not None is a CUDA tensor (all the kernels take)."""
     return all(x is None or (isinstance(x, torch.Tensor) and x.is_cuda) for x in tensors)
@@ -164,8 +174,7 @@ class DecodeRunner:
                  final: Any, statics: tuple, device: torch.device, dense: tuple[str, ...] = (),
                  stream_query: Any = None, arg_order: tuple[str, ...] | None = None):
         self.names = names
-        where = [(arg_order or names).index(name) for name in names]
-        self.take = operator.itemgetter(*where) if len(where) > 1 else (lambda seq, j=where[0]: (seq[j],))
+        self.take = getter([(arg_order or names).index(name) for name in names])
         self.launcher = launcher
         self.statics = statics
         n = len(names)

@@ -49,8 +49,8 @@ from cula.kernels.common.decode_host import (
     V_ALIGN,
     V_PER_WARP,
     WARP_CHOICES,
-    aligned,
     cached_runner,
+    check_out,
     check_pool,
     cuda_tensors,
     decode_dims as _dims,
@@ -58,7 +58,6 @@ from cula.kernels.common.decode_host import (
     expect_numel,
     expect_shape,
     pick_warps,
-    shape_of,
     state_reason,
 )
 from cula.kernels.common.decode_tile import butterfly_sum, load1, vec, warp_sum
@@ -535,10 +534,7 @@ def kda_decode(
     run = runner(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                  use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                  lower_bound, state_v_first, state_indices, inplace)
-    if out is not None and (tuple(out.shape) != tuple(v.shape) or out.dtype != v.dtype or not out.is_contiguous()
-                            or not aligned(out)):
-        raise ValueError(f"out: expected a contiguous 16-byte aligned {v.dtype} tensor of shape "
-                         f"{list(v.shape)}, got {shape_of(out)}")
+    check_out(out, v)
     return run.run(run.take((q, k, v, g, beta, A_log, dt_bias, initial_state, state_indices)), out)
 
 

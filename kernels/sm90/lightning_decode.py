@@ -38,15 +38,14 @@ from cula.kernels.common.decode_host import (
     V_ALIGN,
     V_PER_WARP,
     WARP_CHOICES,
-    aligned,
     cached_runner,
+    check_out,
     check_pool,
     cuda_tensors,
     decode_dims as _dims,
     cutlass_dtype,
     expect_numel,
     pick_warps,
-    shape_of,
     state_reason,
 )
 from cula.kernels.common.decode_tile import butterfly_sum, load1, vec, warp_sum
@@ -329,10 +328,7 @@ def lightning_decode(
         ``[B, HV, K, V]`` tensor when ``output_final_state``, else None.
     """
     run = runner(q, k, v, decay, scale, initial_state, output_final_state, state_indices, inplace)
-    if out is not None and (tuple(out.shape) != tuple(v.shape) or out.dtype != v.dtype or not out.is_contiguous()
-                            or not aligned(out)):
-        raise ValueError(f"out: expected a contiguous 16-byte aligned {v.dtype} tensor of shape "
-                         f"{list(v.shape)}, got {shape_of(out)}")
+    check_out(out, v)
     return run.run(run.take((q, k, v, decay, initial_state, state_indices)), out)
 
 
