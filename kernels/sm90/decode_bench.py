@@ -318,14 +318,22 @@ def launcher_overhead(case: DecodeCase) -> dict[str, float]:
     # the public op on the same inputs: its repeated calls take the planned path (issue 6: <= 20 us)
     import cula
 
-    name = "fused_recurrent_kda" if case.variant == "kda" else "lightning_attn_decode"
     try:  # (kept apart: a failure here must not lose the launcher numbers above)
-        public = getattr(cula.kda if case.variant == "kda" else cula.lightning, name)
-        out["public_backend"] = cula.backends(name, **inputs).backend
+        public = public_op(case.variant)
+        out["public_backend"] = cula.backends(public.op_name, **inputs).backend
         out["public_op_us"] = host_time(lambda: public(**inputs)) * 1e6
     except Exception as exc:
         out["public_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return out
+
+
+def public_op(variant: str) -> Callable[..., Any]:
+    """cula's public decode op of ``variant`` ("kda" or "lightning")."""
+    import cula
+
+    if variant == "kda":
+        return cula.kda.fused_recurrent_kda
+    return cula.lightning.lightning_attn_decode
 
 
 def profile_public_op(case: DecodeCase, calls: int = 3000, top: int = 25) -> None:
@@ -335,11 +343,8 @@ def profile_public_op(case: DecodeCase, calls: int = 3000, top: int = 25) -> Non
     import io
     import pstats
 
-    import cula
-
     inputs = make_inputs(case)
-    name = "fused_recurrent_kda" if case.variant == "kda" else "lightning_attn_decode"
-    public = getattr(cula.kda if case.variant == "kda" else cula.lightning, name)
+    public = public_op(case.variant)
     for _ in range(10):
         public(**inputs)
     torch.cuda.synchronize()
