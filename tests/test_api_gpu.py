@@ -213,3 +213,24 @@ def test_fused_recurrent_kda_gradients_run_the_reference_on_cuda():
     o, _ = fused_recurrent_kda(q, k, v, g, beta)
     o.float().sum().backward()
     assert beta.grad is not None and beta.grad.is_cuda and torch.isfinite(beta.grad).all()
+
+
+def test_repeated_calls_take_the_planned_path_and_follow_new_inputs():
+    """The second call with the same signature reuses the cached call plan; it must still read the new
+    tensors (a plan that kept the first call's pointers would return the first result again)."""
+    from cula.kda import chunk_kda
+    from cula.lightning import lightning_attn_fwd
+    from cula.ref import kda as kda_ref
+    from cula.ref import lightning as lref
+
+    t = sum(LENGTHS)
+    for _ in range(3):  # call 1 builds the plan, calls 2 and 3 take it with fresh data
+        q, k, v = qkv(t)
+        decay = torch.rand(HV, device=DEV)
+        h0 = torch.randn(len(LENGTHS), HV, K, V, device=DEV)
+        check(lightning_attn_fwd, lref.chunked, (q, k, v, decay),
+              dict(initial_state=h0, output_final_state=True, cu_seqlens=cu()))
+        g = F.logsigmoid(torch.randn(1, t, HV, K, device=DEV)).to(BF)
+        beta = torch.rand(1, t, HV, device=DEV).to(BF)
+        check(chunk_kda, kda_ref.chunked, (q, k, v, g, beta),
+              dict(initial_state=h0, output_final_state=True, cu_seqlens=cu()))

@@ -46,8 +46,8 @@ for s in $steps; do
             --cases tc-varlen-33,tc-varlen-zero,varlen-zero
         step kda_split 60 python3 -m cula.kernels.sm90.kda_fwd --check --split all ;;
     next)  # the next session's plan (docs/DEVICE.md): public-op GPU tests, the remaining stage-1 checks
-        step api_gpu 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --maxfail=10 tests/test_api_gpu.py \
-            -k "gla or gradients"
+        step api_gpu 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --maxfail=10 tests/test_api_gpu.py \
+            -k "gla or gradients or repeated"
         step kda_check 200 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-varlen-33 ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
