@@ -49,13 +49,6 @@ for s in $steps; do
         step api_gpu 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --maxfail=10 tests/test_api_gpu.py \
             -k "gla or gradients or repeated"
         step kda_check 200 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-varlen-33 ;;
-    prefetch)  # session 6: stage 1's L2 prefetch of a later CTA's inputs, 0 / 264 / 132 CTAs ahead, A/B/C/A
-        step repeated 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_api_gpu.py -k repeated
-        step kda_check_pf 90 env CULA_KDA_TC_PREFETCH=264 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
-            --cases tc-T65-gva-vfirst,tc-varlen-zero
-        for a in 0 264 132 0; do
-            step kda_split_pf$a 80 env CULA_KDA_TC_PREFETCH=$a python3 -m cula.kernels.sm90.kda_fwd --check --split all
-        done ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;

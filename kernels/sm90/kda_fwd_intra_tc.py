@@ -44,7 +44,6 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from cula.kernels.common.l2_prefetch import prefetch_l2
 from cula.kernels.common.wgmma_frag import a_operand_layout
 
 CHUNK = 64  # tokens per chunk (FLA's chunk_size): one wgmma M tile
@@ -74,9 +73,6 @@ SMEM_PER_SM = 233472  # H100/H200: answers the DSL's device query on a CPU compi
 #: (session 5: tc-T1 / tc-varlen-33 / tc-lb11-strong pass with the same errors, stage 1 5-8% faster);
 #: ``CULA_KDA_TC_PACKED_OFFDIAG=0`` restores the fp32 scaling for A/B runs.
 PACKED_OFFDIAG = __import__("os").environ.get("CULA_KDA_TC_PACKED_OFFDIAG", "1") == "1"
-#: Each CTA prefetches into L2 the inputs of the CTA this many places later in launch order (0: off).
-#: Two waves of 132 SMs x CTAS_PER_SM are in flight at once; ``CULA_KDA_TC_PREFETCH`` sets it for A/B runs.
-PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "0"))
 
 BF16 = cutlass.BFloat16
 F32 = cutlass.Float32
@@ -99,11 +95,9 @@ class KdaFwdIntraTC:
         allow_neg_eigval: bool,
         group: int,
         packed_offdiag: bool = True,
-        prefetch_ahead: int = 0,
     ):
         self.use_qk_l2norm = use_qk_l2norm
         self.packed_offdiag = packed_offdiag
-        self.prefetch_ahead = prefetch_ahead  # CTAs ahead whose inputs this CTA prefetches to L2 (0: none)
         self.has_a_log = has_a_log
         self.has_dt_bias = has_dt_bias
         self.use_beta_sigmoid = use_beta_sigmoid
@@ -244,31 +238,6 @@ class KdaFwdIntraTC:
             )
 
     @cute.jit
-    def prefetch_later_chunk(self, pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pG: cute.Pointer,
-                             pChunks: cute.Pointer, H: cutlass.Int32, HV: cutlass.Int32, NC: cutlass.Int32):
-        """Pull into L2 the q, k, v, g rows of the CTA ``prefetch_ahead`` places later in launch order
-        (chunk fastest, then head): it starts when a CTA of this wave ends, and finds its loads in L2.
-        One 16-byte-aligned row of one tensor per bulk prefetch: threads 0-63 take q and k of row
-        ``tidx``, threads 64-127 v and g."""
-        tidx, _, _ = cute.arch.thread_idx()
-        chunk, hv, _ = cute.arch.block_idx()
-        nxt = hv * NC + chunk + self.prefetch_ahead
-        if nxt < HV * NC:
-            hv_n = nxt // NC
-            c_n = nxt - hv_n * NC
-            chunks = cute.make_tensor(pChunks, cute.make_layout((c_n + 1, 2), stride=(2, 1)))
-            row = tidx % CHUNK
-            if row < chunks[c_n, 1]:
-                tok = chunks[c_n, 0] + row
-                if tidx < CHUNK:
-                    hq_n = hv_n // self.group
-                    prefetch_l2(pQ + (tok * H + hq_n) * DK, DK * pQ.dtype.width // 8)
-                    prefetch_l2(pK + (tok * H + hq_n) * DK, DK * pK.dtype.width // 8)
-                else:
-                    prefetch_l2(pV + (tok * HV + hv_n) * DV, DV * pV.dtype.width // 8)
-                    prefetch_l2(pG + (tok * HV + hv_n) * DK, DK * pG.dtype.width // 8)
-
-    @cute.jit
     def chunk_body(
         self,
         pQ: cute.Pointer,
@@ -384,8 +353,6 @@ class KdaFwdIntraTC:
             raw_k[rr, None].store(_vec(pK, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
             raw_v[rr, None].store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load())
             raw_g[rr, None].store(_vec(pG, (tok * HV + hv) * DK + d0, COLS_PER_THREAD).load())
-        if cutlass.const_expr(self.prefetch_ahead > 0):
-            self.prefetch_later_chunk(pQ, pK, pV, pG, pChunks, H, HV, NC)
         if tidx < CHUNK:
             keep_b = F32(1.0)
             if tidx >= nvalid:
@@ -881,7 +848,6 @@ def compile_targets():
                                                  "has_dt_bias": False, "use_beta_sigmoid": False,
                                                  "allow_neg_eigval": True, "group": 2}),
         "scalar_offdiag": build(cutlass.BFloat16, **full, packed_offdiag=False),
-        "prefetch": build(cutlass.BFloat16, **full, prefetch_ahead=264),
     }
 
 
