@@ -363,6 +363,7 @@ class KdaFwdIntraTC:
                 bv = F32(self.beta_mult) / (F32(1.0) + cute.math.exp(-bv, fastmath=True))
             sBeta[tidx] = bv * keep_b
         lb_log2 = lower_bound * F32(RCP_LN2)
+        a_nl2e = a_exp * F32(-RCP_LN2)  # the gate's e^(-a x) as 2^(a_nl2e x) (1/ln 2 = log2 e)
         for rr in cutlass.range_constexpr(ROWS_PER_THREAD):
             r = r0 + rr
             keep = F32(1.0)
@@ -379,16 +380,18 @@ class KdaFwdIntraTC:
             _st8(x_layout, v_raw, (d0, r, 0), raw_v[rr, None])  # MN-major: (d, token)
             sq = F32(0.0)
             sk = F32(0.0)
+            lb_keep = lb_log2 * keep
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
                 sq = sq + xq[c] * xq[c]
                 sk = sk + xk[c] * xk[c]
-                # lower-bounded gate, in log2 units: lb * sigmoid(a (g + dt_bias)) / ln 2
-                z = a_exp * (xg[c] + dtb[c])
-                gv = lb_log2 * cute.arch.rcp_approx(F32(1.0) + cute.math.exp(-z, fastmath=True))
+                # lower-bounded gate, in log2 units: lb * sigmoid(a (g + dt_bias)) / ln 2, with
+                # e^(-z) = 2^(-a log2(e) (g + dt_bias)) and keep folded into lb: one FMUL and the cumsum
+                # step an FFMA (was three FMUL and an FADD)
+                ez = cute.math.exp2(a_nl2e * (xg[c] + dtb[c]), fastmath=True)
                 prev = F32(0.0)
                 if cutlass.const_expr(rr > 0):
                     prev = gl[rr - 1, c]
-                gl[rr, c] = prev + gv * keep
+                gl[rr, c] = prev + lb_keep * cute.arch.rcp_approx(F32(1.0) + ez)
             ssq[rr] = sq
             ssq[ROWS_PER_THREAD + rr] = sk
         # a row's 128 columns live on one half-warp: butterfly over lanes 1, 2, 4, 8
@@ -464,8 +467,9 @@ class KdaFwdIntraTC:
             qg = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
                 gam = gl[rr, c] + pre[c]  # Γ of (r, d0 + c)
-                fa = cute.math.exp2(gam - cref[c], fastmath=True)  # <= 2^shift
-                fb = cute.math.exp2(cref[c] - gam, fastmath=True)  # <= 2^shift
+                rel_c = gam - cref[c]  # a − b = −(b − a) exactly: fb negates the operand, no FADD
+                fa = cute.math.exp2(rel_c, fastmath=True)  # <= 2^shift
+                fb = cute.math.exp2(-rel_c, fastmath=True)  # <= 2^shift
                 fg = cute.math.exp2(gam, fastmath=True)  # <= 1
                 ka[c] = rk[c] * fa
                 qa[c] = rq[c] * fa
