@@ -56,6 +56,9 @@ for s in $steps; do
         ncu -i "$OUT/intra_tc.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
         ncu -i "$OUT/intra_tc.ncu-rep" --page source --csv --print-source ptx > "$OUT/ncu_ptx.csv" 2>&1
         ls -la "$OUT"; grep -iE "stall|warp cycles|eligible|issued|throughput|registers|occupancy" "$OUT/ncu_details.txt" | head -60 ;;
+    s6)  # session 6: leaner gate / exponent arguments in stage 1: checks, split, then the gradient API tests
+        step kda_check 110 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-T65-gva-vfirst,tc-lb11-strong
+        step kda_split 70 python3 -m cula.kernels.sm90.kda_fwd --check --split all ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
