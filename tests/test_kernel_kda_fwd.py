@@ -89,7 +89,7 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("recur_v2_v_first", True), ("recur_v2_no_state", True),
                                                ("intra_tc", True),
                                                ("intra_tc_fp32_gate", True), ("intra_tc_plain_gva", True),
-                                               ("intra_tc_scalar_offdiag", True), ("intra_tc_head_fastest", True)])
+                                               ("intra_tc_scalar_offdiag", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report

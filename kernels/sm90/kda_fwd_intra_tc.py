@@ -73,10 +73,6 @@ SMEM_PER_SM = 233472  # H100/H200: answers the DSL's device query on a CPU compi
 #: (session 5: tc-T1 / tc-varlen-33 / tc-lb11-strong pass with the same errors, stage 1 5-8% faster);
 #: ``CULA_KDA_TC_PACKED_OFFDIAG=0`` restores the fp32 scaling for A/B runs.
 PACKED_OFFDIAG = __import__("os").environ.get("CULA_KDA_TC_PACKED_OFFDIAG", "1") == "1"
-#: Launch order of the (chunk, head) CTAs: head fastest (the default; ``CULA_KDA_TC_HEAD_FASTEST=0`` for
-#: A/B runs) or chunk fastest. Head fastest puts the chunks on the grid's y dimension (``MAX_GRID_Y``).
-HEAD_FASTEST = __import__("os").environ.get("CULA_KDA_TC_HEAD_FASTEST", "1") == "1"
-MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y: more chunks than this launch chunk fastest
 
 BF16 = cutlass.BFloat16
 F32 = cutlass.Float32
@@ -99,11 +95,9 @@ class KdaFwdIntraTC:
         allow_neg_eigval: bool,
         group: int,
         packed_offdiag: bool = True,
-        head_fastest: bool = False,
     ):
         self.use_qk_l2norm = use_qk_l2norm
         self.packed_offdiag = packed_offdiag
-        self.head_fastest = head_fastest
         self.has_a_log = has_a_log
         self.has_dt_bias = has_dt_bias
         self.use_beta_sigmoid = use_beta_sigmoid
@@ -192,7 +186,7 @@ class KdaFwdIntraTC:
             self.a_layout, self.kt_layout, self.kh_layout, self.x_layout, self.tb_layout,
             self.w_layout, self.aqk_layout,
             num_heads, HV, NC, scale, lower_bound,
-        ).launch(grid=[HV, NC, 1] if cutlass.const_expr(self.head_fastest) else [NC, HV, 1], block=[THREADS, 1, 1], stream=stream,
+        ).launch(grid=[NC, HV, 1], block=[THREADS, 1, 1], stream=stream,
                  smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=CTAS_PER_SM)
 
     # ---------------------------------------------------------------------------- device side --
@@ -233,7 +227,7 @@ class KdaFwdIntraTC:
         lower_bound: cutlass.Float32,
     ):
         # The sync-free varlen tables end in dummy chunks (nvalid = 0) that nobody reads: leave at once.
-        chunk, _ = self.chunk_and_head()
+        chunk, _, _ = cute.arch.block_idx()
         chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
         if chunks[chunk, 1] > 0:
             self.chunk_body(
@@ -242,17 +236,6 @@ class KdaFwdIntraTC:
                 kh_layout, x_layout, tb_layout, w_layout, aqk_layout, H, HV, NC, scale,
                 lower_bound,
             )
-
-    @cute.jit
-    def chunk_and_head(self):
-        """(chunk, value head) of this CTA: the launch order is chunk fastest, or head fastest with
-        ``head_fastest`` (then a wave of CTAs reads whole token rows [H, 128] instead of 256-byte pieces
-        of rows 16 KB apart)."""
-        x, y, _ = cute.arch.block_idx()
-        chunk, hv = x, y
-        if cutlass.const_expr(self.head_fastest):
-            chunk, hv = y, x
-        return chunk, hv
 
     @cute.jit
     def chunk_body(
@@ -291,7 +274,7 @@ class KdaFwdIntraTC:
         lower_bound: cutlass.Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        chunk, hv = self.chunk_and_head()
+        chunk, hv, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
         grp = tidx // 16  # row group: rows 8 grp .. 8 grp + 7 (block grp // 2 = warp)
@@ -869,7 +852,6 @@ def compile_targets():
                                                  "has_dt_bias": False, "use_beta_sigmoid": False,
                                                  "allow_neg_eigval": True, "group": 2}),
         "scalar_offdiag": build(cutlass.BFloat16, **full, packed_offdiag=False),
-        "head_fastest": build(cutlass.BFloat16, **full, head_fastest=True),
     }
 
 
