@@ -59,11 +59,6 @@ for s in $steps; do
     s6)  # session 6: leaner gate / exponent arguments in stage 1: checks, split, then the gradient API tests
         step kda_check 110 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-T65-gva-vfirst,tc-lb11-strong
         step kda_split 70 python3 -m cula.kernels.sm90.kda_fwd --check --split all ;;
-    raster)  # session 6: stage 1 launched head fastest (default) against chunk fastest (=0), A/B
-        for a in 0 1; do
-            step kda_split_hf$a 60 env CULA_KDA_TC_HEAD_FASTEST=$a python3 -m cula.kernels.sm90.kda_fwd --check --split all
-        done
-        step kda_check_hf 80 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-T65-gva-vfirst,tc-varlen-zero ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
