@@ -78,6 +78,7 @@ def bench(
     max_time: Optional[float] = typer.Option(None, "--max-time", help="Seconds of timed calls per impl, config and mode (default 1.0)."),
     max_reps: Optional[int] = typer.Option(None, "--max-reps", help="Most timed calls per impl, config and mode (default 50)."),
     no_graph: bool = typer.Option(False, "--no-graph", help="Skip the CUDA-graph timing."),
+    flush: str = typer.Option("write", "--flush", help="How L2 is emptied before each timed call: write (zero 256 MiB, as triton's do_bench) | read (read it: L2 left without dirty lines)."),
     results_dir: Optional[Path] = typer.Option(None, "--results-dir", help="Store root. Default: reports/results (GPU), ~/.cache/cula/results (CPU)."),
     out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Also write the finished run as one parquet file <run_id>.parquet here."),
     plain: bool = typer.Option(False, "--plain", help="Plain progress lines even on a terminal."),
@@ -88,7 +89,7 @@ def bench(
     from cula.bench.progress import make_reporter
     from cula.bench.runner import QUICK, execute, parse_impls, resolve_plan
     from cula.bench.store import Store
-    from cula.bench.timing import TimingSettings
+    from cula.bench.timing import FLUSH_MODES, TimingSettings
 
     impls = parse_impls(impl)
     if resume and (suite is None or impls is None):
@@ -112,6 +113,8 @@ def bench(
             device = meta["device"]
     if max_time is not None and not max_time > 0:
         raise CliError(f"--max-time: expected seconds > 0, got {max_time}")
+    if flush not in FLUSH_MODES:
+        raise CliError(f"--flush: expected one of {', '.join(FLUSH_MODES)}, got {flush!r}")
     if max_reps is not None and max_reps < 1:
         raise CliError(f"--max-reps: expected an integer >= 1, got {max_reps}")
     plan = resolve_plan(suite, mode, impls, device, results_dir)
@@ -122,6 +125,8 @@ def bench(
         settings = replace(settings, max_reps=max_reps, min_reps=min(settings.min_reps, max_reps))
     if no_graph:
         settings = replace(settings, graphs=False)
+    if flush != settings.flush:
+        settings = replace(settings, flush=flush)
     reporter = make_reporter(force_plain=plain)
     for notice in plan.notices:
         reporter.message(f"NOTE: {notice}")

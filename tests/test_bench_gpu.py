@@ -80,6 +80,18 @@ def test_timer_eager_graph_and_failed_capture():
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("flush", ["write", "read"])
+def test_both_flushes_evict_the_inputs(flush):
+    """A 16 MiB read fits in L2: timed without a real flush (4 KiB) it re-reads L2, after either
+    256 MiB flush it comes from HBM and takes longer (graph replays, so launch gaps do not hide it)."""
+    x = torch.ones(4 << 20, device="cuda")  # 16 MiB
+    flushed = Timer("cuda", TimingSettings(max_reps=30, max_time_s=0.05, flush=flush))
+    cached = Timer("cuda", TimingSettings(max_reps=30, max_time_s=0.05, flush=flush, flush_bytes=4096))
+    t_flushed = flushed.graph(lambda: x.sum()).median_ms
+    t_cached = cached.graph(lambda: x.sum()).median_ms
+    assert t_flushed > 1.15 * t_cached, (flush, t_flushed, t_cached)
+
+
 def test_failed_captures_do_not_keep_memory():
     """What an op allocates before the host sync that breaks its capture is given back (the private
     pool of the failed graph is released): five failures of an op that allocates 512 MiB first must

@@ -200,6 +200,7 @@ def test_canonical_command(monkeypatch):
     plan = resolve_plan(["kda"], "both", ["fla", "ref"], "auto", cuda_available=True)
     assert canonical_command(plan, TimingSettings(), quick=False) == "cula bench --suite kda --mode both --impl fla,ref"
     assert canonical_command(plan, TimingSettings(max_time_s=0.5), quick=False).endswith("--max-time 0.5")
+    assert canonical_command(plan, TimingSettings(flush="read"), quick=False).endswith("--impl fla,ref --flush read")
     # knobs that change what runs lead the command; labels (the git sha) and FLA's pinned flag do not
     monkeypatch.setenv("CULA_KERNELS", "kda_fwd")
     monkeypatch.setenv("CULA_KDA_RECUR_VARIANT", "v1")
@@ -217,6 +218,11 @@ def test_percentiles_and_cpu_timer():
     calls = []
     timing = Timer("cpu", TimingSettings(max_reps=7, min_reps=2, max_time_s=10)).eager(lambda: calls.append(1))
     assert timing.reps == 7 and timing.median_ms >= 0 and len(calls) >= 8
+
+
+def test_timer_refuses_an_unknown_flush():
+    with pytest.raises(ValueError, match="flush: expected one of"):
+        Timer("cpu", TimingSettings(flush="sideways"))
 
 
 def test_counting_formulas():

@@ -39,6 +39,7 @@ def test_suites_lists_counts():
     (["bench", "--mode", "diagonal", "--suite", "smoke"], "--mode"),
     (["bench", "--resume", "nope", "--results-dir", "{tmp}"], "unknown run id 'nope'"),
     (["bench", "--max-time", "0", "--suite", "smoke"], "--max-time"),
+    (["bench", "--flush", "sideways", "--suite", "smoke"], "--flush"),
     (["report", "--run", "nope", "--results-dir", "{tmp}"], "unknown run id 'nope'"),
     (["report", "--gpu", "A100", "--results-dir", "{tmp}"], "--gpu"),
     (["gate", "--baseline", "nope", "--candidate", "nope2", "--results-dir", "{tmp}"], "unknown run id"),

@@ -173,6 +173,8 @@ def canonical_command(plan: Plan, settings: TimingSettings, quick: bool) -> str:
         parts.append(f"--max-reps {settings.max_reps}")
     if not settings.graphs:
         parts.append("--no-graph")
+    if settings.flush != TimingSettings().flush:
+        parts.append(f"--flush {settings.flush}")
     return " ".join(parts)
 
 
