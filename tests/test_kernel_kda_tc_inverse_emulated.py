@@ -42,6 +42,7 @@ def run_invert(a: torch.Tensor) -> torch.Tensor:
 
     cfg = Cfg()
     cfg._tile_product = lambda *args: tile(cfg, *args)
+    cfg.inverse_barrier = emu.cute.arch.sync_threads  # one warpgroup: the inverse's barrier is the CTA's
     # the kernel's fp32 matrices: row pitch PAD; the upper triangle of A holds zeros (as the combine writes)
     a_mem = torch.zeros(64, tc.PAD, dtype=torch.float32)
     a_mem[:, :64] = a.float()

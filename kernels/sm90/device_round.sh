@@ -63,6 +63,12 @@ for s in $steps; do
         step flush_test 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_bench_gpu.py -k flushes
         step decode_suite_read 110 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite decode --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.15 --flush read ;;
+    twowg)  # stage 1 on two warpgroups (CULA_KDA_TC_WARPGROUPS=2, CPU-compiled only): checks, then A/B/A splits
+        step kda_check_2wg 150 env CULA_KDA_TC_WARPGROUPS=2 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases tc-T1,tc-T65-gva-vfirst,tc-varlen-zero,tc-lb11-strong
+        for a in 1 2 1; do
+            step kda_split_wg$a 60 env CULA_KDA_TC_WARPGROUPS=$a python3 -m cula.kernels.sm90.kda_fwd --check --split all
+        done ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;

@@ -18,7 +18,9 @@ Exponent safety needs a bounded gate: this kernel is built for the in-kernel gat
 leakage through rounding; FLA's KDA intra makes the same choice). Both off-diagonal factors are ``<= 1``.
 The host sends other gates to ``kda_fwd_intra`` (exact for any gate).
 
-One warpgroup (128 threads) per CTA, two CTAs per SM (~104 KB of shared memory each). Phases:
+One warpgroup (128 threads) per CTA, two CTAs per SM (~104 KB of shared memory each). With
+``WARPGROUPS = 2`` (opt-in, not yet run on a GPU) the same chunk runs on 256 threads: phases 1-2 give each
+thread 4 rows, warpgroup 0 forms Akk, the inverse and w, warpgroup 1 Aqk and u. Phases:
   1. loads (16-byte, coalesced): q, k, v, g of the chunk; thread t owns rows 8(t/16)..+7 and columns
      8(t%16)..+7, so a row's 16 owners are one half-warp (row norms by shuffles) and warp w owns
      16-row block w. Gate transform, in-thread cumsum down its 8 rows, group totals via smem.
@@ -73,6 +75,12 @@ SMEM_PER_SM = 233472  # H100/H200: answers the DSL's device query on a CPU compi
 #: (session 5: tc-T1 / tc-varlen-33 / tc-lb11-strong pass with the same errors, stage 1 5-8% faster);
 #: ``CULA_KDA_TC_PACKED_OFFDIAG=0`` restores the fp32 scaling for A/B runs.
 PACKED_OFFDIAG = __import__("os").environ.get("CULA_KDA_TC_PACKED_OFFDIAG", "1") == "1"
+#: Warpgroups per CTA. 2 (``CULA_KDA_TC_WARPGROUPS=2``; compiled and PTX-checked on the CPU, not yet run
+#: on a GPU) puts 16 warps per SM instead of 8 on the issue-bound kernel: each thread of phases 1-2 owns
+#: 4 rows instead of 8, warpgroup 0 forms Akk and w while warpgroup 1 forms Aqk and u (one wgmma chain
+#: each), the inverse stays on warpgroup 0 (named barriers), and ptxas holds each thread to 128 registers.
+WARPGROUPS = int(__import__("os").environ.get("CULA_KDA_TC_WARPGROUPS", "1"))
+WG_BARRIER = 1  # named barrier of warpgroup 0 alone (the inverse, with 2 warpgroups); 0 is the CTA's
 
 BF16 = cutlass.BFloat16
 F32 = cutlass.Float32
@@ -95,9 +103,17 @@ class KdaFwdIntraTC:
         allow_neg_eigval: bool,
         group: int,
         packed_offdiag: bool = True,
+        warpgroups: int = 1,
     ):
+        assert warpgroups in (1, 2), warpgroups
         self.use_qk_l2norm = use_qk_l2norm
         self.packed_offdiag = packed_offdiag
+        # 2: the chunk on two warpgroups (see WARPGROUPS); the element-wise phases give each thread 4 rows
+        self.wgs = warpgroups
+        self.threads = THREADS * warpgroups
+        self.rpt = ROWS_PER_THREAD // warpgroups  # rows per thread in phases 1-2
+        self.groups = CHUNK // self.rpt  # row groups of rpt rows (16 threads each)
+        self.gpb = SUB // self.rpt  # row groups per 16-row block
         self.has_a_log = has_a_log
         self.has_dt_bias = has_dt_bias
         self.use_beta_sigmoid = use_beta_sigmoid
@@ -173,7 +189,7 @@ class KdaFwdIntraTC:
             sKh: cute.struct.Align[cute.struct.MemRange[BF16, (NBLK - 1) * SUB * DK], 1024]
             sX: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DV], 1024]
-            sTot: cute.struct.Align[cute.struct.MemRange[F32, (GROUPS + 1) * DK], 16]
+            sTot: cute.struct.Align[cute.struct.MemRange[F32, (self.groups + 1) * DK], 16]
             sFirst: cute.struct.Align[cute.struct.MemRange[F32, NBLK * DK], 16]
             sC: cute.struct.Align[cute.struct.MemRange[F32, len(PAIRS) * DK], 16]
             sBeta: cute.struct.Align[cute.struct.MemRange[F32, CHUNK], 16]
@@ -186,7 +202,7 @@ class KdaFwdIntraTC:
             self.a_layout, self.kt_layout, self.kh_layout, self.x_layout, self.tb_layout,
             self.w_layout, self.aqk_layout,
             num_heads, HV, NC, scale, lower_bound,
-        ).launch(grid=[NC, HV, 1], block=[THREADS, 1, 1], stream=stream,
+        ).launch(grid=[NC, HV, 1], block=[self.threads, 1, 1], stream=stream,
                  smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=CTAS_PER_SM)
 
     # ---------------------------------------------------------------------------- device side --
@@ -238,6 +254,39 @@ class KdaFwdIntraTC:
             )
 
     @cute.jit
+    def column_pass(self, sTot: cute.Tensor, sFirst: cute.Tensor, sC: cute.Tensor, shift, col):
+        """Thread = key column ``col``: the group totals' exclusive prefix in place (the chunk total in
+        row ``groups``) and the off-diagonal factors ``2^(C_I − E_J)`` of that column."""
+        gpb = self.gpb
+        tot_col = cute.make_rmem_tensor(cute.make_layout(self.groups + 1), F32)  # exclusive prefix by group
+        tot_col[0] = F32(0.0)
+        for gq in cutlass.range_constexpr(self.groups):
+            tot_col[gq + 1] = tot_col[gq] + sTot[gq, col]
+        for p in cutlass.range_constexpr(len(PAIRS)):
+            ib, jb = PAIRS[p]
+            c_i = tot_col[gpb * ib] + sFirst[ib, col] - shift
+            e_j = tot_col[gpb * jb + gpb]
+            sC[p, col] = cute.math.exp2(c_i - e_j, fastmath=True)
+        for gq in cutlass.range_constexpr(self.groups + 1):
+            sTot[gq, col] = tot_col[gq]
+
+    @cute.jit
+    def lower_value(self, e: cutlass.Constexpr, i, j, acc_diag: cute.Tensor, acc_off: list, wl, incl,
+                    per_blk: cutlass.Constexpr):
+        """Value ``e`` (row i, column j) of a product's lower part as this thread holds it: from the
+        off-diagonal block accumulator when the warp's row block is below column block J, from the
+        diagonal product on the block diagonal where ``j < i + incl``, zero elsewhere."""
+        jb = e // per_blk
+        v = F32(0.0)
+        if cutlass.const_expr(jb < NBLK - 1):
+            if wl > jb:
+                v = acc_off[jb][e % per_blk]
+        if wl == jb:
+            if j < i + incl:
+                v = acc_diag[e]
+        return v
+
+    @cute.jit
     def chunk_body(
         self,
         pQ: cute.Pointer,
@@ -277,9 +326,18 @@ class KdaFwdIntraTC:
         chunk, hv, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
-        grp = tidx // 16  # row group: rows 8 grp .. 8 grp + 7 (block grp // 2 = warp)
+        grp = tidx // 16  # row group: rows rpt grp .. + rpt - 1 (one warpgroup: block grp // 2 = warp)
         d0 = (tidx % 16) * COLS_PER_THREAD  # first of the 8 columns this thread owns
-        r0 = grp * ROWS_PER_THREAD
+        r0 = grp * self.rpt
+        rpt = self.rpt
+        # this thread's warpgroup, its warp's 16-row block of an m64 wgmma tile, its index in the warpgroup
+        wg = 0
+        wl = warp
+        tidw = tidx
+        if cutlass.const_expr(self.wgs == 2):
+            wg = warp // 4
+            wl = warp % 4
+            tidw = tidx % THREADS
         hq = hv // self.group
         chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
         tok0 = chunks[chunk, 0]
@@ -296,8 +354,8 @@ class KdaFwdIntraTC:
         sX = st.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
         sV = st.sV.get_tensor(x_layout.outer, swizzle=x_layout.inner)
         # group totals of g (phase 1), then their exclusive prefix by group plus the chunk total in row
-        # GROUPS (phase 2's column pass)
-        sTot = st.sTot.get_tensor(cute.make_layout((GROUPS + 1, DK), stride=(DK, 1)))
+        # groups (phase 2's column pass)
+        sTot = st.sTot.get_tensor(cute.make_layout((self.groups + 1, DK), stride=(DK, 1)))
         sFirst = st.sFirst.get_tensor(cute.make_layout((NBLK, DK), stride=(DK, 1)))
         sC = st.sC.get_tensor(cute.make_layout((len(PAIRS), DK), stride=(DK, 1)))
         sBeta = st.sBeta.get_tensor(cute.make_layout(CHUNK))
@@ -332,9 +390,9 @@ class KdaFwdIntraTC:
         dtb.fill(0.0)
         if cutlass.const_expr(self.has_dt_bias):
             dtb.store(_vec(pDtBias, hv * DK + d0, COLS_PER_THREAD).load().to(F32))
-        gl = cute.make_rmem_tensor(cute.make_layout((ROWS_PER_THREAD, COLS_PER_THREAD),
+        gl = cute.make_rmem_tensor(cute.make_layout((rpt, COLS_PER_THREAD),
                                                     stride=(COLS_PER_THREAD, 1)), F32)  # Γ, local scan
-        ssq = cute.make_rmem_tensor(cute.make_layout(2 * ROWS_PER_THREAD), F32)  # Σx² of q rows, k rows
+        ssq = cute.make_rmem_tensor(cute.make_layout(2 * rpt), F32)  # Σx² of q rows, k rows
         xq = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         xk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         xg = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
@@ -342,12 +400,12 @@ class KdaFwdIntraTC:
         # every global load of the chunk is issued before the first use: 32 independent 16-byte loads
         # per thread in flight instead of one row's 4 at a time (rows past the end read the chunk's
         # last valid row, in bounds and this sequence's own data; phase 2 zeroes their q and k)
-        rows8 = cute.make_layout((ROWS_PER_THREAD, COLS_PER_THREAD), stride=(COLS_PER_THREAD, 1))
+        rows8 = cute.make_layout((rpt, COLS_PER_THREAD), stride=(COLS_PER_THREAD, 1))
         raw_q = cute.make_rmem_tensor(rows8, BF16)
         raw_k = cute.make_rmem_tensor(rows8, BF16)
         raw_v = cute.make_rmem_tensor(rows8, BF16)
         raw_g = cute.make_rmem_tensor(rows8, pG.dtype)
-        for rr in cutlass.range_constexpr(ROWS_PER_THREAD):
+        for rr in cutlass.range_constexpr(rpt):
             tok = tok0 + cutlass.min(r0 + rr, nvalid - 1)
             raw_q[rr, None].store(_vec(pQ, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
             raw_k[rr, None].store(_vec(pK, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
@@ -364,7 +422,7 @@ class KdaFwdIntraTC:
             sBeta[tidx] = bv * keep_b
         lb_log2 = lower_bound * F32(RCP_LN2)
         a_nl2e = a_exp * F32(-RCP_LN2)  # the gate's e^(-a x) as 2^(a_nl2e x) (1/ln 2 = log2 e)
-        for rr in cutlass.range_constexpr(ROWS_PER_THREAD):
+        for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
             keep = F32(1.0)
             if r >= nvalid:
@@ -393,34 +451,29 @@ class KdaFwdIntraTC:
                     prev = gl[rr - 1, c]
                 gl[rr, c] = prev + lb_keep * cute.arch.rcp_approx(F32(1.0) + ez)
             ssq[rr] = sq
-            ssq[ROWS_PER_THREAD + rr] = sk
+            ssq[rpt + rr] = sk
         # a row's 128 columns live on one half-warp: butterfly over lanes 1, 2, 4, 8
         for s in cutlass.range_constexpr(4):
-            for m in cutlass.range_constexpr(2 * ROWS_PER_THREAD):
+            for m in cutlass.range_constexpr(2 * rpt):
                 ssq[m] = ssq[m] + cute.arch.shuffle_sync_bfly(ssq[m], offset=1 << s)
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
-            sTot[grp, d0 + c] = gl[ROWS_PER_THREAD - 1, c]
-            if grp % 2 == 0:
-                sFirst[grp // 2, d0 + c] = gl[0, c]
+            sTot[grp, d0 + c] = gl[rpt - 1, c]
+            if grp % self.gpb == 0:
+                sFirst[grp // self.gpb, d0 + c] = gl[0, c]
         cute.arch.sync_threads()
 
         # ============================================ phase 2: reference factors and operand tiles
         shift = lower_bound * F32(-7.5 * RCP_LN2)  # half of a block's largest gate range (log2)
-        blk = grp // 2  # = warp: this thread's 16-row block
+        blk = grp // self.gpb  # this thread's 16-row block (= warp with one warpgroup)
+        kblk = warp if cutlass.const_expr(self.wgs == 1) else blk
         # column pass (thread = column tidx): the group totals' exclusive prefix in place, the chunk total
-        # in row GROUPS, and the off-diagonal factors 2^(C_I − E_J); then every thread reads the few
+        # in row groups, and the off-diagonal factors 2^(C_I − E_J); then every thread reads the few
         # prefixes it needs as 16-byte vectors (instead of selecting them out of a 64-step scan)
-        tot_col = cute.make_rmem_tensor(cute.make_layout(GROUPS + 1), F32)  # exclusive prefix by group
-        tot_col[0] = F32(0.0)
-        for gq in cutlass.range_constexpr(GROUPS):
-            tot_col[gq + 1] = tot_col[gq] + sTot[gq, tidx]
-        for p in cutlass.range_constexpr(len(PAIRS)):
-            ib, jb = PAIRS[p]
-            c_i = tot_col[2 * ib] + sFirst[ib, tidx] - shift
-            e_j = tot_col[2 * jb + 2]
-            sC[p, tidx] = cute.math.exp2(c_i - e_j, fastmath=True)
-        for gq in cutlass.range_constexpr(GROUPS + 1):
-            sTot[gq, tidx] = tot_col[gq]
+        if cutlass.const_expr(self.wgs == 1):
+            self.column_pass(sTot, sFirst, sC, shift, tidx)
+        else:
+            if tidx < DK:
+                self.column_pass(sTot, sFirst, sC, shift, tidx)
         cute.arch.sync_threads()
         pre = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # Γ before row 8 grp
         cref = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # C_blk
@@ -428,9 +481,9 @@ class KdaFwdIntraTC:
         run = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # Γ at the chunk end
         first = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         cute.autovec_copy(_vec(sTot.iterator, grp * DK + d0, COLS_PER_THREAD), pre)
-        cute.autovec_copy(_vec(sTot.iterator, 2 * blk * DK + d0, COLS_PER_THREAD), cref)
-        cute.autovec_copy(_vec(sTot.iterator, (2 * blk + 2) * DK + d0, COLS_PER_THREAD), eref)
-        cute.autovec_copy(_vec(sTot.iterator, GROUPS * DK + d0, COLS_PER_THREAD), run)
+        cute.autovec_copy(_vec(sTot.iterator, self.gpb * blk * DK + d0, COLS_PER_THREAD), cref)
+        cute.autovec_copy(_vec(sTot.iterator, self.gpb * (blk + 1) * DK + d0, COLS_PER_THREAD), eref)
+        cute.autovec_copy(_vec(sTot.iterator, self.groups * DK + d0, COLS_PER_THREAD), run)
         cute.autovec_copy(_vec(sFirst.iterator, blk * DK + d0, COLS_PER_THREAD), first)
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             cref[c] = cref[c] + first[c] - shift
@@ -442,10 +495,9 @@ class KdaFwdIntraTC:
 
         rq = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         rk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
-        kgt = cute.make_rmem_tensor(cute.make_layout((COLS_PER_THREAD, ROWS_PER_THREAD),
-                                                     stride=(ROWS_PER_THREAD, 1)), BF16)  # [c][rr]
+        kgt = cute.make_rmem_tensor(cute.make_layout((COLS_PER_THREAD, rpt), stride=(rpt, 1)), BF16)  # [c][rr]
         qg_head = pQG + (hv * R + row0) * DK
-        for rr in cutlass.range_constexpr(ROWS_PER_THREAD):
+        for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
             keep = F32(1.0)  # rows past the end: q̂ = k̂ = 0 (so Ka, Qa, K̃, K̂, X, qg, kg are zero)
             if r >= nvalid:
@@ -454,7 +506,7 @@ class KdaFwdIntraTC:
             nk = keep
             if cutlass.const_expr(self.use_qk_l2norm):
                 nq = nq * cute.math.rsqrt(ssq[rr] + F32(L2NORM_EPS))
-                nk = nk * cute.math.rsqrt(ssq[ROWS_PER_THREAD + rr] + F32(L2NORM_EPS))
+                nk = nk * cute.math.rsqrt(ssq[rpt + rr] + F32(L2NORM_EPS))
             _ld8(a_layout, qa_raw, (r, d0, 0), obf)
             rq.store(obf.load().to(F32) * nq)
             _ld8(a_layout, ka_raw, (r, d0, 0), obf)
@@ -484,16 +536,16 @@ class KdaFwdIntraTC:
             _st8(a_layout, qa_raw, (r, d0, 0), obf)
             obf.store(kt.load().to(BF16))
             _st8(kt_layout, kt_raw, (r, d0, 0), obf)
-            if warp < NBLK - 1:  # K̂ of block 3 is never a B operand
+            if kblk < NBLK - 1:  # K̂ of block 3 is never a B operand
                 obf.store(kh.load().to(BF16))
-                _st8(kh_layout, kh_raw, (r % SUB, d0, warp), obf)
+                _st8(kh_layout, kh_raw, (r % SUB, d0, kblk), obf)
             obf.store(xx.load().to(BF16))
             _st8(x_layout, x_raw, (d0, r, 0), obf)
             obf.store(qg.load().to(BF16))
             _vec(qg_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
         # kgᵀ: this thread's 8 rows are 8 consecutive tokens of one column: one 16-byte store each
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
-            dst = _vec(pKGT, (hv * DK + d0 + c) * R + row0 + r0, ROWS_PER_THREAD)
+            dst = _vec(pKGT, (hv * DK + d0 + c) * R + row0 + r0, rpt)
             dst.store(kgt[c, None].load())
         if grp == 0:
             gam_out = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
@@ -504,71 +556,73 @@ class KdaFwdIntraTC:
         cute.arch.sync_threads()
 
         # ================================================================ phase 3: Akk, Aqk on wgmma
-        thr_d = mma_diag.get_slice(tidx)
-        tAka = thr_d.make_fragment_A(thr_d.partition_A(sKa))
-        tAqa = thr_d.make_fragment_A(thr_d.partition_A(sQa))
+        # one warpgroup forms both products; with two, warpgroup 0 forms Akk and warpgroup 1 Aqk (Qa's
+        # tile follows Ka's by 16 KB, so its A operand is Ka's tile moved by wg tiles)
+        if cutlass.const_expr(self.wgs == 1):
+            a_tiles = (sKa, sQa)
+            a_raws = (ka_raw, qa_raw)
+        else:
+            ax_raw = ka_raw + cute.assume(wg * (CHUNK * DK), divby=CHUNK * DK)
+            a_tiles = (cute.make_tensor(cute.recast_ptr(ax_raw, swizzle_=a_layout.inner, dtype=BF16),
+                                        a_layout.outer),)
+            a_raws = (ax_raw,)
+        nprod = len(a_tiles)
+        thr_d = mma_diag.get_slice(tidw)
+        tA_d = [thr_d.make_fragment_A(thr_d.partition_A(t)) for t in a_tiles]
         tBkt = thr_d.make_fragment_B(thr_d.partition_B(sKt))
-        acc_kk = thr_d.make_fragment_C(thr_d.partition_shape_C((CHUNK, CHUNK)))
-        acc_qk = thr_d.make_fragment_C(thr_d.partition_shape_C((CHUNK, CHUNK)))
+        acc_d = [thr_d.make_fragment_C(thr_d.partition_shape_C((CHUNK, CHUNK))) for _ in a_tiles]
         warpgroup.fence()
-        _gemm_ss(mma_diag, acc_kk, tAka, tBkt)
-        _gemm_ss(mma_diag, acc_qk, tAqa, tBkt)
+        for x in cutlass.range_constexpr(nprod):
+            _gemm_ss(mma_diag, acc_d[x], tA_d[x], tBkt)
         warpgroup.commit_group()
 
-        thr_o = mma_off.get_slice(tidx)
+        thr_o = mma_off.get_slice(tidw)
         tBkh = thr_o.make_fragment_B(thr_o.partition_B(sKh))  # (MMA, 1, 8, 3)
         # A registers of a K = 128 operand, addressed through the C fragment of an m64n128 product
-        thr_wu = mma_wu.get_slice(tidx)
+        thr_wu = mma_wu.get_slice(tidw)
         c128 = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK)))
         cA = thr_wu.partition_C(cute.make_identity_tensor((CHUNK, DK)))  # (row i, column d) per value
-        acc_ok = []
-        acc_oq = []
+        acc_o = [[] for _ in a_tiles]  # [product][column block J]
         for jb in cutlass.range_constexpr(NBLK - 1):
-            acc_ok.append(thr_o.make_fragment_C(thr_o.partition_shape_C((CHUNK, SUB))))
-            acc_oq.append(thr_o.make_fragment_C(thr_o.partition_shape_C((CHUNK, SUB))))
+            for x in cutlass.range_constexpr(nprod):
+                acc_o[x].append(thr_o.make_fragment_C(thr_o.partition_shape_C((CHUNK, SUB))))
         for jb in cutlass.range_constexpr(NBLK - 1):
             # rows of warp I > J: Ka ⊙ 2^(C_I − E_J) = k̂ 2^(Γ − E_J) <= 1. Warps I <= J only take part
             # in the warpgroup-wide wgmma: their rows of the product are never read, so they skip the
             # build (half of this phase's work) and feed zeros.
-            rAk = cute.make_rmem_tensor(a_operand_layout(c128.layout), BF16)
-            rAq = cute.make_rmem_tensor(a_operand_layout(c128.layout), BF16)
-            if warp > jb:
-                p = pair_index(warp, jb)
-                rAk_c = cute.make_tensor(rAk.iterator, c128.layout)
-                rAq_c = cute.make_tensor(rAq.iterator, c128.layout)
+            rA = [cute.make_rmem_tensor(a_operand_layout(c128.layout), BF16) for _ in a_tiles]
+            if wl > jb:
+                p = pair_index(wl, jb)
+                rA_c = [cute.make_tensor(ra.iterator, c128.layout) for ra in rA]
                 # values e, e + 1 of a C fragment are columns d, d + 1 of one row: one 4-byte load each
-                two_k = cute.make_rmem_tensor(cute.make_layout(2), BF16)
-                two_q = cute.make_rmem_tensor(cute.make_layout(2), BF16)
+                two = [cute.make_rmem_tensor(cute.make_layout(2), BF16) for _ in a_tiles]
                 for e in cutlass.range_constexpr(0, cute.size(c128), 2):
                     i, d = cA[e]
                     off = cute.assume(_swizzled_offset(a_layout, (i, d, 0)), divby=2)
-                    two_k.store(cute.make_tensor(ka_raw + off, cute.make_layout(2)).load())
-                    two_q.store(cute.make_tensor(qa_raw + off, cute.make_layout(2)).load())
+                    for x in cutlass.range_constexpr(nprod):
+                        two[x].store(cute.make_tensor(a_raws[x] + off, cute.make_layout(2)).load())
                     if cutlass.const_expr(self.packed_offdiag):
                         fpair = cute.make_rmem_tensor(cute.make_layout(2), F32)
                         fpair[0] = sC[p, d]
                         fpair[1] = sC[p, d + 1]
                         fb2 = fpair.load().to(BF16)
-                        pk = two_k.load() * fb2  # one mul.bf16x2 per pair of columns
-                        pq = two_q.load() * fb2
+                        scaled = [t.load() * fb2 for t in two]  # one mul.bf16x2 per pair of columns
                         for h in cutlass.range_constexpr(2):
-                            rAk_c[e + h] = pk[h]
-                            rAq_c[e + h] = pq[h]
+                            for x in cutlass.range_constexpr(nprod):
+                                rA_c[x][e + h] = scaled[x][h]
                     else:
                         for h in cutlass.range_constexpr(2):
                             f = sC[p, d + h]
-                            rAk_c[e + h] = (two_k[h].to(F32) * f).to(BF16)
-                            rAq_c[e + h] = (two_q[h].to(F32) * f).to(BF16)
+                            for x in cutlass.range_constexpr(nprod):
+                                rA_c[x][e + h] = (two[x][h].to(F32) * f).to(BF16)
             else:
-                rAk.fill(0.0)
-                rAq.fill(0.0)
+                for x in cutlass.range_constexpr(nprod):
+                    rA[x].fill(0.0)
             warpgroup.fence()
-            for kb in cutlass.range_constexpr(cute.size(rAk, mode=[2])):
-                mma_off.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(mma_off, acc_ok[jb], rAk[None, None, kb], tBkh[None, None, kb, jb], acc_ok[jb])
-            for kb in cutlass.range_constexpr(cute.size(rAq, mode=[2])):
-                mma_off.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(mma_off, acc_oq[jb], rAq[None, None, kb], tBkh[None, None, kb, jb], acc_oq[jb])
+            for x in cutlass.range_constexpr(nprod):
+                for kb in cutlass.range_constexpr(cute.size(rA[x], mode=[2])):
+                    mma_off.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(mma_off, acc_o[x][jb], rA[x][None, None, kb], tBkh[None, None, kb, jb], acc_o[x][jb])
             warpgroup.commit_group()
             # the next block's A values go to fresh registers only once these are read
             warpgroup.wait_group(0)
@@ -576,27 +630,43 @@ class KdaFwdIntraTC:
 
         # ------------------------------------------------ combine: Akk β -> sA (fp32), Aqk -> staging
         cD = thr_d.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
-        rAqk = cute.make_rmem_tensor(acc_qk.layout, BF16)
-        per_blk = cute.size(acc_kk) // NBLK  # 8 values of a thread per 16-column block
-        for e in cutlass.range_constexpr(cute.size(acc_kk)):
-            i, j = cD[e]
-            jb = e // per_blk  # column block of value e (the C fragment's column groups go by 8)
-            vk = F32(0.0)
-            vq = F32(0.0)
-            if cutlass.const_expr(jb < NBLK - 1):
-                if warp > jb:
-                    vk = acc_ok[jb][e % per_blk]
-                    vq = acc_oq[jb][e % per_blk]
-            if warp == jb:
-                if j < i:
-                    vk = acc_kk[e]
-                if j <= i:
-                    vq = acc_qk[e]
-            sA[i, j] = vk * sBeta[i]
-            rAqk[e] = vq.to(BF16)
+        rAqk = cute.make_rmem_tensor(acc_d[0].layout, BF16)
+        per_blk = cute.size(acc_d[0]) // NBLK  # 8 values of a thread per 16-column block
+        if cutlass.const_expr(self.wgs == 1):
+            acc_kk, acc_qk = acc_d
+            acc_ok, acc_oq = acc_o
+            for e in cutlass.range_constexpr(cute.size(acc_kk)):
+                i, j = cD[e]
+                jb = e // per_blk  # column block of value e (the C fragment's column groups go by 8)
+                vk = F32(0.0)
+                vq = F32(0.0)
+                if cutlass.const_expr(jb < NBLK - 1):
+                    if warp > jb:
+                        vk = acc_ok[jb][e % per_blk]
+                        vq = acc_oq[jb][e % per_blk]
+                if warp == jb:
+                    if j < i:
+                        vk = acc_kk[e]
+                    if j <= i:
+                        vq = acc_qk[e]
+                sA[i, j] = vk * sBeta[i]
+                rAqk[e] = vq.to(BF16)
+        else:
+            # warpgroup 0 holds Akk (strictly lower: j < i), warpgroup 1 Aqk (j <= i, i.e. j < i + wg)
+            for e in cutlass.range_constexpr(cute.size(acc_d[0])):
+                i, j = cD[e]
+                v = self.lower_value(e, i, j, acc_d[0], acc_o[0], wl, wg, per_blk)
+                if wg == 0:
+                    sA[i, j] = v * sBeta[i]
+                else:
+                    rAqk[e] = v.to(BF16)
         st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BF16)
         st_d = cute.make_tiled_copy_C(st_atom, mma_diag)
-        cute.copy(st_d, st_d.retile(rAqk), st_d.get_slice(tidx).partition_D(sAqk[None, None, 0]))
+        if cutlass.const_expr(self.wgs == 1):
+            cute.copy(st_d, st_d.retile(rAqk), st_d.get_slice(tidx).partition_D(sAqk[None, None, 0]))
+        else:
+            if wg == 1:
+                cute.copy(st_d, st_d.retile(rAqk), st_d.get_slice(tidw).partition_D(sAqk[None, None, 0]))
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
         one = cute.make_layout(1)
@@ -609,13 +679,20 @@ class KdaFwdIntraTC:
                 cute.arch.cp_async_bulk_commit_group()
 
         # ==================================================== phase 4: T = (I + Akk)^-1, fp32 SIMT
-        self.invert(sA, sT, sY, warp, lane, tidx)
-        # T' = T diag(β) in bf16 (upper blocks zero): the A operand of w and u
-        ti = tidx // 2
-        tj0 = (tidx % 2) * (CHUNK // 2)
+        if cutlass.const_expr(self.wgs == 1):
+            self.invert(sA, sT, sY, warp, lane, tidx)
+        else:
+            if wg == 0:  # the inverse's barriers are warpgroup 0's; warpgroup 1 waits here for T
+                self.invert(sA, sT, sY, warp, lane, tidx)
+            cute.arch.sync_threads()
+        # T' = T diag(β) in bf16 (upper blocks zero): the A operand of w and u; each thread forms
+        # 8-column pieces of one row
+        tpr = self.threads // CHUNK  # threads per row
+        ti = tidx // tpr
+        tj0 = (tidx % tpr) * (CHUNK // tpr)
         t8 = cute.make_rmem_tensor(cute.make_layout((2, 4), stride=(4, 1)), F32)
         b8 = cute.make_rmem_tensor(cute.make_layout((2, 4), stride=(4, 1)), F32)
-        for v8 in cutlass.range_constexpr(CHUNK // 2 // 8):
+        for v8 in cutlass.range_constexpr(CHUNK // tpr // 8):
             j0 = tj0 + v8 * 8
             for h in cutlass.range_constexpr(2):
                 cute.autovec_copy(_vec(sT.iterator, ti * PAD + j0 + 4 * h, 4), t8[h, None])
@@ -631,27 +708,45 @@ class KdaFwdIntraTC:
         cute.arch.sync_threads()
 
         # ====================================================== phase 5: w = T' X, u = T' v (wgmma)
-        tAtb = thr_wu.make_fragment_A(thr_wu.partition_A(sTb))
-        tBx = thr_wu.make_fragment_B(thr_wu.partition_B(sX))
-        tBv = thr_wu.make_fragment_B(thr_wu.partition_B(sV))
-        acc_w = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK)))
-        acc_u = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DV)))
-        warpgroup.fence()
-        _gemm_ss(mma_wu, acc_w, tAtb, tBx)
-        _gemm_ss(mma_wu, acc_u, tAtb, tBv)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        cute.arch.sync_threads()  # X and v are read: their tiles become the w / u staging
-
-        # ================================================ phase 6: w, u -> swizzled tiles -> TMA stores
         st_wu = cute.make_tiled_copy_C(st_atom, mma_wu)
-        thr_st = st_wu.get_slice(tidx)
-        rW = cute.make_rmem_tensor(acc_w.layout, BF16)
-        rW.store(acc_w.load().to(BF16))
-        cute.copy(st_wu, st_wu.retile(rW), thr_st.partition_D(sWst[None, None, 0]))
-        rU = cute.make_rmem_tensor(acc_u.layout, BF16)
-        rU.store(acc_u.load().to(BF16))
-        cute.copy(st_wu, st_wu.retile(rU), thr_st.partition_D(sUst[None, None, 0]))
+        if cutlass.const_expr(self.wgs == 1):
+            tAtb = thr_wu.make_fragment_A(thr_wu.partition_A(sTb))
+            tBx = thr_wu.make_fragment_B(thr_wu.partition_B(sX))
+            tBv = thr_wu.make_fragment_B(thr_wu.partition_B(sV))
+            acc_w = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK)))
+            acc_u = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DV)))
+            warpgroup.fence()
+            _gemm_ss(mma_wu, acc_w, tAtb, tBx)
+            _gemm_ss(mma_wu, acc_u, tAtb, tBv)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.sync_threads()  # X and v are read: their tiles become the w / u staging
+
+            # ============================================ phase 6: w, u -> swizzled tiles -> TMA stores
+            thr_st = st_wu.get_slice(tidx)
+            rW = cute.make_rmem_tensor(acc_w.layout, BF16)
+            rW.store(acc_w.load().to(BF16))
+            cute.copy(st_wu, st_wu.retile(rW), thr_st.partition_D(sWst[None, None, 0]))
+            rU = cute.make_rmem_tensor(acc_u.layout, BF16)
+            rU.store(acc_u.load().to(BF16))
+            cute.copy(st_wu, st_wu.retile(rU), thr_st.partition_D(sUst[None, None, 0]))
+        else:
+            # warpgroup 0: w = T' X, warpgroup 1: u = T' v (v's tile follows X's by 16 KB); each stages
+            # its result in the tile it read, which only it reads
+            bx_raw = x_raw + cute.assume(wg * (CHUNK * DK), divby=CHUNK * DK)
+            sB = cute.make_tensor(cute.recast_ptr(bx_raw, swizzle_=x_layout.inner, dtype=BF16), x_layout.outer)
+            tAtb = thr_wu.make_fragment_A(thr_wu.partition_A(sTb))
+            tB = thr_wu.make_fragment_B(thr_wu.partition_B(sB))
+            acc = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK)))
+            warpgroup.fence()
+            _gemm_ss(mma_wu, acc, tAtb, tB)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.sync_threads()  # T' is read by both warpgroups before anything reuses it
+            sOst = cute.make_tensor(cute.recast_ptr(bx_raw, swizzle_=w_layout.inner, dtype=BF16), w_layout.outer)
+            rO = cute.make_rmem_tensor(acc.layout, BF16)
+            rO.store(acc.load().to(BF16))
+            cute.copy(st_wu, st_wu.retile(rO), st_wu.get_slice(tidw).partition_D(sOst[None, None, 0]))
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
         if warp == 0:
@@ -708,7 +803,7 @@ class KdaFwdIntraTC:
             if warp % 2 == 0:
                 for i in cutlass.range_constexpr(SUB):
                     sT[base + i, base + lane] = F32(0.0)
-        cute.arch.sync_threads()
+        self.inverse_barrier()
         # step 2: threads 0-63 block (1, 0), 64-127 block (3, 2); a thread owns rows 2rg, 2rg+1 and
         # columns 2cp, 2cp+1 of the 16x16 result
         bp = tidx // 64
@@ -721,13 +816,13 @@ class KdaFwdIntraTC:
                            SUB, 2, acc2)
         for x in cutlass.range_constexpr(2):
             cute.autovec_copy(acc2[x, None], _vec(pY, (bp * SUB + 2 * rg + x) * YPAD + 2 * cp, 2))
-        cute.arch.sync_threads()
+        self.inverse_barrier()
         self._tile_product(pT, PAD, ib * SUB + 2 * rg, ib * SUB, pY, YPAD, bp * SUB, 2 * cp, SUB, 2, acc2)
         for x in cutlass.range_constexpr(2):
             for y in cutlass.range_constexpr(2):
                 acc2[x, y] = -acc2[x, y]
             cute.autovec_copy(acc2[x, None], _vec(pT, (ib * SUB + 2 * rg + x) * PAD + jb * SUB + 2 * cp, 2))
-        cute.arch.sync_threads()
+        self.inverse_barrier()
         # step 3: Y = A_BA T_A, then T_BA = −T_B Y (32x32 each, k < 32); a thread owns rows 4rg .. 4rg+3
         # and columns 2cp, 2cp+1
         half = 2 * SUB
@@ -737,13 +832,21 @@ class KdaFwdIntraTC:
         self._tile_product(pA, PAD, half + 4 * rg3, 0, pT, PAD, 0, 2 * cp3, half, 4, acc3)
         for x in cutlass.range_constexpr(4):
             cute.autovec_copy(acc3[x, None], _vec(pY, (4 * rg3 + x) * YPAD + 2 * cp3, 2))
-        cute.arch.sync_threads()
+        self.inverse_barrier()
         self._tile_product(pT, PAD, half + 4 * rg3, half, pY, YPAD, 0, 2 * cp3, half, 4, acc3)
         for x in cutlass.range_constexpr(4):
             for y in cutlass.range_constexpr(2):
                 acc3[x, y] = -acc3[x, y]
             cute.autovec_copy(acc3[x, None], _vec(pT, (half + 4 * rg3 + x) * PAD + 2 * cp3, 2))
-        cute.arch.sync_threads()
+        self.inverse_barrier()
+
+    @cute.jit
+    def inverse_barrier(self):
+        """A barrier of the threads that run the inverse: the CTA, or warpgroup 0 alone with two."""
+        if cutlass.const_expr(self.wgs == 1):
+            cute.arch.sync_threads()
+        else:
+            cute.arch.barrier(barrier_id=WG_BARRIER, number_of_threads=THREADS)
 
     @cute.jit
     def _tile_product(self, pL: cute.Pointer, ldl: cutlass.Constexpr, row0, k0l, pR: cute.Pointer,
@@ -852,6 +955,7 @@ def compile_targets():
                                                  "has_dt_bias": False, "use_beta_sigmoid": False,
                                                  "allow_neg_eigval": True, "group": 2}),
         "scalar_offdiag": build(cutlass.BFloat16, **full, packed_offdiag=False),
+        "two_wg": build(cutlass.BFloat16, **full, warpgroups=2),
     }
 
 
