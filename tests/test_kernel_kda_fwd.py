@@ -124,10 +124,8 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         # rows), the fp32 one none
         packed = rep.count("mul.bf16x2") + rep.count("mul.rn.bf16x2")
         assert packed == 0 if target.endswith("scalar_offdiag") else packed >= 96
-        if two:
-            # 256 threads at 2 CTAs per SM: ptxas holds them to 128 registers; the inverse syncs
-            # warpgroup 0 alone (named barrier 1)
-            assert rep.max_registers <= 128 and rep.count("bar.sync 1, 128") >= 4
+        if two:  # 256 threads at 2 CTAs per SM: ptxas holds them to 128 registers
+            assert rep.max_registers <= 128
 
 
 def test_tc_layout_facts():

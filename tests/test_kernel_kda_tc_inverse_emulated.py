@@ -31,18 +31,20 @@ def _strictly_lower(seed: int, decay: float) -> torch.Tensor:
     return torch.tril(a, -1)
 
 
-def run_invert(a: torch.Tensor) -> torch.Tensor:
+def run_invert(a: torch.Tensor, warpgroups: int = 1) -> torch.Tensor:
     ns = {"cute": emu.cute, "cutlass": emu.cutlass, "F32": emu.cutlass.Float32}
     ns["_vec"] = emu.rebind(tc._vec, ns)
     invert = emu.rebind(tc.KdaFwdIntraTC.invert, ns)
     tile = emu.rebind(tc.KdaFwdIntraTC._tile_product, ns)
+    diagonal = emu.rebind(tc.KdaFwdIntraTC.diagonal_blocks, ns)
 
     class Cfg:
         pass
 
     cfg = Cfg()
+    cfg.wgs, cfg.threads = warpgroups, tc.THREADS * warpgroups  # what KdaFwdIntraTC(warpgroups=...) sets
     cfg._tile_product = lambda *args: tile(cfg, *args)
-    cfg.inverse_barrier = emu.cute.arch.sync_threads  # one warpgroup: the inverse's barrier is the CTA's
+    cfg.diagonal_blocks = lambda *args: diagonal(cfg, *args)
     # the kernel's fp32 matrices: row pitch PAD; the upper triangle of A holds zeros (as the combine writes)
     a_mem = torch.zeros(64, tc.PAD, dtype=torch.float32)
     a_mem[:, :64] = a.float()
@@ -62,16 +64,18 @@ def run_invert(a: torch.Tensor) -> torch.Tensor:
         s_y = emu.cute.make_tensor(p_y, emu.cute.make_layout((2 * tc.SUB, 2 * tc.SUB), stride=(tc.YPAD, 1)))
         invert(cfg, s_a, s_t, s_y, tidx // 32, tidx % 32, tidx)
 
-    emu.launch(kernel, [1, 1, 1], tc.THREADS, ptrs)
+    emu.launch(kernel, [1, 1, 1], cfg.threads, ptrs)
     emu.Memory.write_back(backs)
     return t_mem[:, :64]
 
 
-@pytest.mark.parametrize("seed,decay", [(0, 0.02), (1, 0.5)])
-def test_invert_source_matches_the_exact_inverse(seed, decay):
+@pytest.mark.parametrize("seed,decay,warpgroups", [(0, 0.02, 1), (1, 0.5, 1), (3, 0.1, 2)])
+def test_invert_source_matches_the_exact_inverse(seed, decay, warpgroups):
+    """One warpgroup (the default) and two (``WARPGROUPS = 2``: the substitutions on warps 0-3, the
+    products on all 256 threads) compute the same T."""
     a = _strictly_lower(seed, decay)
     want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + a)
-    got = run_invert(a)
+    got = run_invert(a, warpgroups)
     # the kernel writes T on and below the diagonal blocks; the upper blocks of its sT are never read
     lower = torch.ones(64, 64, dtype=torch.bool).tril()
     blocks = (torch.arange(64)[:, None] // tc.SUB) >= (torch.arange(64)[None, :] // tc.SUB)

@@ -20,7 +20,8 @@ The host sends other gates to ``kda_fwd_intra`` (exact for any gate).
 
 One warpgroup (128 threads) per CTA, two CTAs per SM (~104 KB of shared memory each). With
 ``WARPGROUPS = 2`` (opt-in, not yet run on a GPU) the same chunk runs on 256 threads: phases 1-2 give each
-thread 4 rows, warpgroup 0 forms Akk, the inverse and w, warpgroup 1 Aqk and u. Phases:
+thread 4 rows, warpgroup 0 forms Akk and w, warpgroup 1 Aqk and u, and the inverse's products use all
+256 threads (its 16x16 substitutions stay on warps 0-3). Phases:
   1. loads (16-byte, coalesced): q, k, v, g of the chunk; thread t owns rows 8(t/16)..+7 and columns
      8(t%16)..+7, so a row's 16 owners are one half-warp (row norms by shuffles) and warp w owns
      16-row block w. Gate transform, in-thread cumsum down its 8 rows, group totals via smem.
@@ -78,9 +79,9 @@ PACKED_OFFDIAG = __import__("os").environ.get("CULA_KDA_TC_PACKED_OFFDIAG", "1")
 #: Warpgroups per CTA. 2 (``CULA_KDA_TC_WARPGROUPS=2``; compiled and PTX-checked on the CPU, not yet run
 #: on a GPU) puts 16 warps per SM instead of 8 on the issue-bound kernel: each thread of phases 1-2 owns
 #: 4 rows instead of 8, warpgroup 0 forms Akk and w while warpgroup 1 forms Aqk and u (one wgmma chain
-#: each), the inverse stays on warpgroup 0 (named barriers), and ptxas holds each thread to 128 registers.
+#: each), the inverse's 16x16 substitutions stay on warpgroup 0 while its products use all 256 threads,
+#: and ptxas holds each thread to 128 registers.
 WARPGROUPS = int(__import__("os").environ.get("CULA_KDA_TC_WARPGROUPS", "1"))
-WG_BARRIER = 1  # named barrier of warpgroup 0 alone (the inverse, with 2 warpgroups); 0 is the CTA's
 
 BF16 = cutlass.BFloat16
 F32 = cutlass.Float32
@@ -679,12 +680,7 @@ class KdaFwdIntraTC:
                 cute.arch.cp_async_bulk_commit_group()
 
         # ==================================================== phase 4: T = (I + Akk)^-1, fp32 SIMT
-        if cutlass.const_expr(self.wgs == 1):
-            self.invert(sA, sT, sY, warp, lane, tidx)
-        else:
-            if wg == 0:  # the inverse's barriers are warpgroup 0's; warpgroup 1 waits here for T
-                self.invert(sA, sT, sY, warp, lane, tidx)
-            cute.arch.sync_threads()
+        self.invert(sA, sT, sY, warp, lane, tidx)
         # T' = T diag(β) in bf16 (upper blocks zero): the A operand of w and u; each thread forms
         # 8-column pieces of one row
         tpr = self.threads // CHUNK  # threads per row
@@ -780,6 +776,55 @@ class KdaFwdIntraTC:
         pA = sA.iterator
         pT = sT.iterator
         pY = sY.iterator
+        if cutlass.const_expr(self.wgs == 1):
+            self.diagonal_blocks(pA, sT, warp, lane)
+        else:
+            if warp < NBLK:  # the 16x16 substitutions are warpgroup 0's; the products below use everyone
+                self.diagonal_blocks(pA, sT, warp, lane)
+        cute.arch.sync_threads()
+        # step 2: the first half of the threads block (1, 0), the second half block (3, 2); a thread owns
+        # rows r2 rg .. + r2 - 1 (r2 = 2 with one warpgroup, 1 with two) and columns 2cp, 2cp+1
+        r2 = 2 // self.wgs
+        half_threads = self.threads // 2
+        bp = tidx // half_threads
+        ib = 2 * bp + 1
+        jb = 2 * bp
+        rg = (tidx % half_threads) // 8
+        cp = tidx % 8
+        acc2 = cute.make_rmem_tensor(cute.make_layout((r2, 2), stride=(2, 1)), F32)
+        self._tile_product(pA, PAD, ib * SUB + r2 * rg, jb * SUB, pT, PAD, jb * SUB, jb * SUB + 2 * cp,
+                           SUB, r2, acc2)
+        for x in cutlass.range_constexpr(r2):
+            cute.autovec_copy(acc2[x, None], _vec(pY, (bp * SUB + r2 * rg + x) * YPAD + 2 * cp, 2))
+        cute.arch.sync_threads()
+        self._tile_product(pT, PAD, ib * SUB + r2 * rg, ib * SUB, pY, YPAD, bp * SUB, 2 * cp, SUB, r2, acc2)
+        for x in cutlass.range_constexpr(r2):
+            for y in cutlass.range_constexpr(2):
+                acc2[x, y] = -acc2[x, y]
+            cute.autovec_copy(acc2[x, None], _vec(pT, (ib * SUB + r2 * rg + x) * PAD + jb * SUB + 2 * cp, 2))
+        cute.arch.sync_threads()
+        # step 3: Y = A_BA T_A, then T_BA = −T_B Y (32x32 each, k < 32); a thread owns rows r3 rg3 ..
+        # + r3 - 1 (r3 = 4 with one warpgroup, 2 with two) and columns 2cp, 2cp+1
+        half = 2 * SUB
+        r3 = 4 // self.wgs
+        rg3 = tidx // 16
+        cp3 = tidx % 16
+        acc3 = cute.make_rmem_tensor(cute.make_layout((r3, 2), stride=(2, 1)), F32)
+        self._tile_product(pA, PAD, half + r3 * rg3, 0, pT, PAD, 0, 2 * cp3, half, r3, acc3)
+        for x in cutlass.range_constexpr(r3):
+            cute.autovec_copy(acc3[x, None], _vec(pY, (r3 * rg3 + x) * YPAD + 2 * cp3, 2))
+        cute.arch.sync_threads()
+        self._tile_product(pT, PAD, half + r3 * rg3, half, pY, YPAD, 0, 2 * cp3, half, r3, acc3)
+        for x in cutlass.range_constexpr(r3):
+            for y in cutlass.range_constexpr(2):
+                acc3[x, y] = -acc3[x, y]
+            cute.autovec_copy(acc3[x, None], _vec(pT, (half + r3 * rg3 + x) * PAD + 2 * cp3, 2))
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def diagonal_blocks(self, pA: cute.Pointer, sT: cute.Tensor, warp, lane):
+        """Step 1 of :meth:`invert`: warp w < 4, lanes 0..15, column ``lane`` of the 16x16 diagonal block w
+        by forward substitution; lanes 16..31 of warps 0 and 2 zero the blocks (0,1) and (2,3)."""
         base = warp * SUB
         if lane < SUB:
             col = cute.make_rmem_tensor(cute.make_layout(SUB), F32)
@@ -803,50 +848,6 @@ class KdaFwdIntraTC:
             if warp % 2 == 0:
                 for i in cutlass.range_constexpr(SUB):
                     sT[base + i, base + lane] = F32(0.0)
-        self.inverse_barrier()
-        # step 2: threads 0-63 block (1, 0), 64-127 block (3, 2); a thread owns rows 2rg, 2rg+1 and
-        # columns 2cp, 2cp+1 of the 16x16 result
-        bp = tidx // 64
-        ib = 2 * bp + 1
-        jb = 2 * bp
-        rg = (tidx % 64) // 8
-        cp = tidx % 8
-        acc2 = cute.make_rmem_tensor(cute.make_layout((2, 2), stride=(2, 1)), F32)
-        self._tile_product(pA, PAD, ib * SUB + 2 * rg, jb * SUB, pT, PAD, jb * SUB, jb * SUB + 2 * cp,
-                           SUB, 2, acc2)
-        for x in cutlass.range_constexpr(2):
-            cute.autovec_copy(acc2[x, None], _vec(pY, (bp * SUB + 2 * rg + x) * YPAD + 2 * cp, 2))
-        self.inverse_barrier()
-        self._tile_product(pT, PAD, ib * SUB + 2 * rg, ib * SUB, pY, YPAD, bp * SUB, 2 * cp, SUB, 2, acc2)
-        for x in cutlass.range_constexpr(2):
-            for y in cutlass.range_constexpr(2):
-                acc2[x, y] = -acc2[x, y]
-            cute.autovec_copy(acc2[x, None], _vec(pT, (ib * SUB + 2 * rg + x) * PAD + jb * SUB + 2 * cp, 2))
-        self.inverse_barrier()
-        # step 3: Y = A_BA T_A, then T_BA = −T_B Y (32x32 each, k < 32); a thread owns rows 4rg .. 4rg+3
-        # and columns 2cp, 2cp+1
-        half = 2 * SUB
-        rg3 = tidx // 16
-        cp3 = tidx % 16
-        acc3 = cute.make_rmem_tensor(cute.make_layout((4, 2), stride=(2, 1)), F32)
-        self._tile_product(pA, PAD, half + 4 * rg3, 0, pT, PAD, 0, 2 * cp3, half, 4, acc3)
-        for x in cutlass.range_constexpr(4):
-            cute.autovec_copy(acc3[x, None], _vec(pY, (4 * rg3 + x) * YPAD + 2 * cp3, 2))
-        self.inverse_barrier()
-        self._tile_product(pT, PAD, half + 4 * rg3, half, pY, YPAD, 0, 2 * cp3, half, 4, acc3)
-        for x in cutlass.range_constexpr(4):
-            for y in cutlass.range_constexpr(2):
-                acc3[x, y] = -acc3[x, y]
-            cute.autovec_copy(acc3[x, None], _vec(pT, (half + 4 * rg3 + x) * PAD + 2 * cp3, 2))
-        self.inverse_barrier()
-
-    @cute.jit
-    def inverse_barrier(self):
-        """A barrier of the threads that run the inverse: the CTA, or warpgroup 0 alone with two."""
-        if cutlass.const_expr(self.wgs == 1):
-            cute.arch.sync_threads()
-        else:
-            cute.arch.barrier(barrier_id=WG_BARRIER, number_of_threads=THREADS)
 
     @cute.jit
     def _tile_product(self, pL: cute.Pointer, ldl: cutlass.Constexpr, row0, k0l, pR: cute.Pointer,
