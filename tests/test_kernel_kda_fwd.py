@@ -89,7 +89,8 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("recur_v2_v_first", True), ("recur_v2_no_state", True),
                                                ("intra_tc", True),
                                                ("intra_tc_fp32_gate", True), ("intra_tc_plain_gva", True),
-                                               ("intra_tc_scalar_offdiag", True), ("intra_tc_two_wg", True)])
+                                               ("intra_tc_scalar_offdiag", True), ("intra_tc_two_wg", True),
+                                               ("intra_tc_two_wg_fp32_gate_gva", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -113,7 +114,7 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         assert rep.count("st.global.v4") >= 4 and rep.count("ld.shared.v4") >= 4  # o as 16-byte rows
         assert rep.count("ld.shared.v2.f32") >= 16  # γ from the stage (pairs of k)
     if target.startswith("intra_tc"):
-        two = target.endswith("two_wg")
+        two = "two_wg" in target
         # 2 x 8 diagonal (m64n64) + 3 x 2 x 8 off-diagonal (m64n16, A from registers) + 2 x 4 (m64n128);
         # with two warpgroups each runs one of the two products of phases 3 and 5 (half of them)
         assert rep.count("wgmma.mma_async") == (36 if two else 72)
@@ -228,6 +229,21 @@ def test_gpu_kernel_matches_reference(case):
     except Exception:  # noqa: BLE001
         chunk_kda = None
     ok, errs = chk.check_case(case, torch.device("cuda"), chunk_kda)
+    assert ok, errs
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", ["tc-T1", "tc-T65-gva-vfirst", "tc-varlen-zero", "tc-lb11-strong",
+                                  "tc-fp32-gate-plainbeta"])
+def test_gpu_two_warpgroup_stage1_matches_reference(name, monkeypatch):
+    """``WARPGROUPS = 2`` (opt-in): the same checks as the default stage 1, per scratch output."""
+    from cula.kernels.sm90 import kda_fwd_check as chk
+    from cula.kernels.sm90 import kda_fwd_intra_tc as tc
+
+    monkeypatch.setattr(tc, "WARPGROUPS", 2)
+    case = next(c for c in chk.CASES if c[0] == name)
+    ok, errs = chk.check_case(case, torch.device("cuda"), None)
     assert ok, errs
 
 

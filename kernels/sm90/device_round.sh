@@ -64,8 +64,8 @@ for s in $steps; do
         step decode_suite_read 110 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite decode --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.15 --flush read ;;
     twowg)  # stage 1 on two warpgroups (CULA_KDA_TC_WARPGROUPS=2, CPU-compiled only): checks, then A/B/A splits
-        step kda_check_2wg 150 env CULA_KDA_TC_WARPGROUPS=2 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
-            --cases tc-T1,tc-T65-gva-vfirst,tc-varlen-zero,tc-lb11-strong
+        step kda_check_2wg 180 env CULA_KDA_TC_WARPGROUPS=2 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases tc-T1,tc-T65-gva-vfirst,tc-varlen-zero,tc-lb11-strong,tc-fp32-gate-plainbeta
         for a in 1 2 1; do
             step kda_split_wg$a 60 env CULA_KDA_TC_WARPGROUPS=$a python3 -m cula.kernels.sm90.kda_fwd --check --split all
         done ;;

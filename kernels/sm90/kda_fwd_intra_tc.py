@@ -957,6 +957,8 @@ def compile_targets():
                                                  "allow_neg_eigval": True, "group": 2}),
         "scalar_offdiag": build(cutlass.BFloat16, **full, packed_offdiag=False),
         "two_wg": build(cutlass.BFloat16, **full, warpgroups=2),
+        "two_wg_fp32_gate_gva": build(cutlass.Float32, **{**full, "use_beta_sigmoid": False, "group": 2},
+                                      warpgroups=2),
     }
 
 
