@@ -49,8 +49,8 @@ for s in $steps; do
         step api_gpu 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --maxfail=10 tests/test_api_gpu.py \
             -k "gla or gradients or repeated"
         step kda_check 200 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-varlen-33 ;;
-    ncu)  # stage 1's stall reasons by instruction (session 6): full set on one B1 T4096 launch
-        step ncu 200 ncu --clock-control none -k regex:intra_tc --launch-count 1 --set full \
+    ncu)  # stage 1's stall reasons by instruction (session 6): full set on one B1 T4096 launch (WG=2: two warpgroups)
+        step ncu 200 env CULA_KDA_TC_WARPGROUPS=${WG:-1} ncu --clock-control none -k regex:intra_tc --launch-count 1 --set full \
             --import-source no -o "$OUT/intra_tc" python3 -m cula.kernels.sm90.kda_fwd_profile --stage intra
         ncu -i "$OUT/intra_tc.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
         ncu -i "$OUT/intra_tc.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
