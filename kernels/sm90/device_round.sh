@@ -55,7 +55,8 @@ for s in $steps; do
         ncu -i "$OUT/intra_tc.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
         ncu -i "$OUT/intra_tc.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
         ncu -i "$OUT/intra_tc.ncu-rep" --page source --csv --print-source ptx > "$OUT/ncu_ptx.csv" 2>&1
-        ls -la "$OUT"; grep -iE "stall|warp cycles|eligible|issued|throughput|registers|occupancy" "$OUT/ncu_details.txt" | head -60 ;;
+        grep -iE "warp cycles|eligible|issued|throughput|registers|occupancy" "$OUT/ncu_details.txt" | head -30
+        python3 -m cula.kernels.common.ncu_phases "$OUT/ncu_sass.csv" --warps $((4096 * 4 * ${WG:-1})) ;;
     s6)  # session 6: leaner gate / exponent arguments in stage 1: checks, split, then the gradient API tests
         step kda_check 110 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-T65-gva-vfirst,tc-lb11-strong
         step kda_split 70 python3 -m cula.kernels.sm90.kda_fwd --check --split all ;;
