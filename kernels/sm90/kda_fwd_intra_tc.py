@@ -704,45 +704,34 @@ class KdaFwdIntraTC:
         cute.arch.sync_threads()
 
         # ====================================================== phase 5: w = T' X, u = T' v (wgmma)
+        # one warpgroup forms both; with two, warpgroup 0 forms w = T' X and warpgroup 1 u = T' v (v's tile
+        # follows X's by 16 KB). Each result is staged in the tile its B operand came from.
         st_wu = cute.make_tiled_copy_C(st_atom, mma_wu)
         if cutlass.const_expr(self.wgs == 1):
-            tAtb = thr_wu.make_fragment_A(thr_wu.partition_A(sTb))
-            tBx = thr_wu.make_fragment_B(thr_wu.partition_B(sX))
-            tBv = thr_wu.make_fragment_B(thr_wu.partition_B(sV))
-            acc_w = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK)))
-            acc_u = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DV)))
-            warpgroup.fence()
-            _gemm_ss(mma_wu, acc_w, tAtb, tBx)
-            _gemm_ss(mma_wu, acc_u, tAtb, tBv)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            cute.arch.sync_threads()  # X and v are read: their tiles become the w / u staging
-
-            # ============================================ phase 6: w, u -> swizzled tiles -> TMA stores
-            thr_st = st_wu.get_slice(tidx)
-            rW = cute.make_rmem_tensor(acc_w.layout, BF16)
-            rW.store(acc_w.load().to(BF16))
-            cute.copy(st_wu, st_wu.retile(rW), thr_st.partition_D(sWst[None, None, 0]))
-            rU = cute.make_rmem_tensor(acc_u.layout, BF16)
-            rU.store(acc_u.load().to(BF16))
-            cute.copy(st_wu, st_wu.retile(rU), thr_st.partition_D(sUst[None, None, 0]))
+            b_tiles = (sX, sV)
+            stage_tiles = (sWst, sUst)
         else:
-            # warpgroup 0: w = T' X, warpgroup 1: u = T' v (v's tile follows X's by 16 KB); each stages
-            # its result in the tile it read, which only it reads
             bx_raw = x_raw + cute.assume(wg * (CHUNK * DK), divby=CHUNK * DK)
-            sB = cute.make_tensor(cute.recast_ptr(bx_raw, swizzle_=x_layout.inner, dtype=BF16), x_layout.outer)
-            tAtb = thr_wu.make_fragment_A(thr_wu.partition_A(sTb))
-            tB = thr_wu.make_fragment_B(thr_wu.partition_B(sB))
-            acc = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK)))
-            warpgroup.fence()
-            _gemm_ss(mma_wu, acc, tAtb, tB)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            cute.arch.sync_threads()  # T' is read by both warpgroups before anything reuses it
-            sOst = cute.make_tensor(cute.recast_ptr(bx_raw, swizzle_=w_layout.inner, dtype=BF16), w_layout.outer)
-            rO = cute.make_rmem_tensor(acc.layout, BF16)
-            rO.store(acc.load().to(BF16))
-            cute.copy(st_wu, st_wu.retile(rO), st_wu.get_slice(tidw).partition_D(sOst[None, None, 0]))
+            b_tiles = (cute.make_tensor(cute.recast_ptr(bx_raw, swizzle_=x_layout.inner, dtype=BF16),
+                                        x_layout.outer),)
+            stage_tiles = (cute.make_tensor(cute.recast_ptr(bx_raw, swizzle_=w_layout.inner, dtype=BF16),
+                                            w_layout.outer),)
+        tAtb = thr_wu.make_fragment_A(thr_wu.partition_A(sTb))
+        tB_wu = [thr_wu.make_fragment_B(thr_wu.partition_B(t)) for t in b_tiles]
+        acc_wu = [thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK))) for _ in b_tiles]
+        warpgroup.fence()
+        for x in cutlass.range_constexpr(len(b_tiles)):
+            _gemm_ss(mma_wu, acc_wu[x], tAtb, tB_wu[x])
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        cute.arch.sync_threads()  # T', X and v are read: the X / v tiles become the w / u staging
+
+        # ================================================ phase 6: w, u -> swizzled tiles -> TMA stores
+        thr_st = st_wu.get_slice(tidw)
+        for x in cutlass.range_constexpr(len(b_tiles)):
+            r_out = cute.make_rmem_tensor(acc_wu[x].layout, BF16)
+            r_out.store(acc_wu[x].load().to(BF16))
+            cute.copy(st_wu, st_wu.retile(r_out), thr_st.partition_D(stage_tiles[x][None, None, 0]))
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
         if warp == 0:
