@@ -67,6 +67,9 @@ for s in $steps; do
     twowg)  # stage 1 on two warpgroups (CULA_KDA_TC_WARPGROUPS=2, CPU-compiled only): checks, then A/B/A splits
         step kda_check_2wg 180 env CULA_KDA_TC_WARPGROUPS=2 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases tc-T1,tc-T65-gva-vfirst,tc-varlen-zero,tc-lb11-strong,tc-fp32-gate-plainbeta
+        # the one-warpgroup combine now goes through lower_value too (default PTX changed)
+        step kda_check_1wg 120 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases tc-T65-gva-vfirst,tc-lb11-strong,tc-fp32-gate-plainbeta
         for a in 1 2 1; do
             step kda_split_wg$a 60 env CULA_KDA_TC_WARPGROUPS=$a python3 -m cula.kernels.sm90.kda_fwd --check --split all
         done ;;

@@ -634,24 +634,10 @@ class KdaFwdIntraTC:
         rAqk = cute.make_rmem_tensor(acc_d[0].layout, BF16)
         per_blk = cute.size(acc_d[0]) // NBLK  # 8 values of a thread per 16-column block
         if cutlass.const_expr(self.wgs == 1):
-            acc_kk, acc_qk = acc_d
-            acc_ok, acc_oq = acc_o
-            for e in cutlass.range_constexpr(cute.size(acc_kk)):
+            for e in cutlass.range_constexpr(cute.size(acc_d[0])):
                 i, j = cD[e]
-                jb = e // per_blk  # column block of value e (the C fragment's column groups go by 8)
-                vk = F32(0.0)
-                vq = F32(0.0)
-                if cutlass.const_expr(jb < NBLK - 1):
-                    if warp > jb:
-                        vk = acc_ok[jb][e % per_blk]
-                        vq = acc_oq[jb][e % per_blk]
-                if warp == jb:
-                    if j < i:
-                        vk = acc_kk[e]
-                    if j <= i:
-                        vq = acc_qk[e]
-                sA[i, j] = vk * sBeta[i]
-                rAqk[e] = vq.to(BF16)
+                sA[i, j] = self.lower_value(e, i, j, acc_d[0], acc_o[0], warp, 0, per_blk) * sBeta[i]
+                rAqk[e] = self.lower_value(e, i, j, acc_d[1], acc_o[1], warp, 1, per_blk).to(BF16)
         else:
             # warpgroup 0 holds Akk (strictly lower: j < i), warpgroup 1 Aqk (j <= i, i.e. j < i + wg)
             for e in cutlass.range_constexpr(cute.size(acc_d[0])):
