@@ -258,7 +258,7 @@ def test_gpu_recur_v2_matches_v1(name, with_state):
     """Stage 2 alone, v2 against v1 on the same scratch (the exact emulation of stage 1 in the kernels'
     dtypes, so no stage-1 compile): the same products in the same order on the same bf16 values, so
     equal to fp32 rounding (expected bitwise); both within bf16 error of the fp64 recurrence on that
-    scratch; v2 deterministic."""
+    scratch; v2 deterministic, and bitwise the same on a 3-CTA persistent grid."""
     from cula.kernels.sm90 import kda_fwd_check as chk
     from cula.kernels.sm90 import kda_fwd_recur as kr
 
@@ -274,6 +274,9 @@ def test_gpu_recur_v2_matches_v1(name, with_state):
     v_first = kw.get("state_v_first", False)
     outs = {v: kr.run(scratch, chunks, seqs, B * T, h0, with_state, v_first, variant=v) for v in ("v1", "v2")}
     again = kr.run(scratch, chunks, seqs, B * T, h0, with_state, v_first, variant="v2")
+    # 3 persistent CTAs: each walks many (V tile, head, sequence) items, the TMA ring running on across
+    # item boundaries (zero-chunk items included); the same products, so bitwise the full grid's
+    few = kr.run(scratch, chunks, seqs, B * T, h0, with_state, v_first, variant="v2", max_ctas=3)
     torch.cuda.synchronize()
     o_ref, ht_ref = kda_fwd.emulate_recurrence(scratch, chunks, seqs, B * T, h0, with_state, v_first, torch.float64)
 
@@ -288,6 +291,9 @@ def test_gpu_recur_v2_matches_v1(name, with_state):
     print(name, errs)
     assert errs["o_v2_v1"] < 1e-5 and errs["o_v2_ref"] < chk.TOL_O, errs
     assert torch.equal(again[0], o2), "v2 is not deterministic"
+    assert torch.equal(few[0], o2), "v2 on 3 persistent CTAs differs from one CTA per item"
+    if with_state:
+        assert torch.equal(few[1], ht2)
     if with_state:
         assert errs["ht_v2_v1"] < 1e-5 and errs["ht_v2_ref"] < chk.TOL_O, errs
         assert torch.equal(again[1], ht2)
@@ -373,6 +379,7 @@ def test_host_path_passes_one_value_per_spec(monkeypatch, cu, tc):
     monkeypatch.setattr(kda_fwd, "_launcher", fake_launcher)
     monkeypatch.setattr(fl, "current_stream_handle", lambda index: 1234)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(kda_fwd, "sm_count", lambda device: 132)
     flags = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=tc, use_beta_sigmoid_in_kernel=True,
                  lower_bound=-5.0, safe_gate=True)
     B, T = (1, 200) if cu is not None else (2, 70)
@@ -382,6 +389,7 @@ def test_host_path_passes_one_value_per_spec(monkeypatch, cu, tc):
     assert [c[0] for c in calls] == ["intra_tc" if tc else "intra", "recur"]
     nc = calls[0][2][17]
     assert calls[1][2][13] == nc  # both kernels see the chunk count the scratch was sized for
+    assert calls[1][2][15] == 132  # the persistent recurrence's CTA cap: one per SM
     if cu is not None:
         assert nc == 200 // 64 + 5  # the sync-free bound
     for kind, specs, values in calls:

@@ -73,6 +73,12 @@ for s in $steps; do
         for a in 1 2 1; do
             step kda_split_wg$a 60 env CULA_KDA_TC_WARPGROUPS=$a python3 -m cula.kernels.sm90.kda_fwd --check --split all
         done ;;
+    persist)  # stage 2 (v2) as a persistent kernel: one CTA per SM walking (V tile, head, sequence) items
+        step recur_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "gpu_recur_v2"
+        step kda_check_persist 150 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases tc-varlen-zero,tc-varlen-33,tc-T65-gva-vfirst,tc-T1000-negeig
+        step kda_split_persist 60 python3 -m cula.kernels.sm90.kda_fwd --check --split all ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;

@@ -212,6 +212,18 @@ def _capturing() -> bool:
     return stream_capturing()
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of ``device`` (cached): the persistent recurrence's CTA cap, one per SM."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(idx)
+    if n is None:
+        n = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n
+
+
 _DUMMY: dict[str, torch.Tensor] = {}
 
 
@@ -388,7 +400,7 @@ def _recur_specs(o_dt) -> tuple:
 
     bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
     ptrs = [(bf16, 16)] * 5 + [(f32, 16), (i32, 8), (i32, 8), (o_dt, 16), (f32, 16), (f32, 16)]
-    return (*(ArgSpec("ptr", d, a) for d, a in ptrs), *(ArgSpec("i32") for _ in range(4)), ArgSpec("stream"))
+    return (*(ArgSpec("ptr", d, a) for d, a in ptrs), *(ArgSpec("i32") for _ in range(5)), ArgSpec("stream"))
 
 
 def _launcher(kind: str, key: tuple, make_kernel: Callable, specs: tuple):
@@ -521,7 +533,7 @@ def kda_fwd(
                   lambda: recur.KdaFwdRecur(**rflags, variant=variant), _recur_specs(o_dt))(
             w.data_ptr(), qg.data_ptr(), aqk.data_ptr(), kgt.data_ptr(), u.data_ptr(), gam.data_ptr(),
             chunks.data_ptr(), seqs.data_ptr(), o.data_ptr(), (h0 if h0 is not None else dummy).data_ptr(),
-            (ht if ht is not None else dummy).data_ptr(), TT, HV, NC, N, stream)
+            (ht if ht is not None else dummy).data_ptr(), TT, HV, NC, N, sm_count(dev), stream)
     out = o.reshape(B, T, HV, V)
     if return_scratch:
         return out, ht, dict(w=w, u=u, qg=qg, aqk=aqk, kgt=kgt, gam=gam)

@@ -1,6 +1,6 @@
 """KDA forward, stage 2 of 2: the chunk recurrence on tensor cores (wgmma) fed by TMA.
 
-One CTA per (sequence, value head, 64-wide V tile). The state is kept transposed, ``Sᵀ: [64 v, 128 k]``
+One work item per (sequence, value head, 64-wide V tile) (v1: one CTA each; v2: persistent CTAs walk them). The state is kept transposed, ``Sᵀ: [64 v, 128 k]``
 fp32, as a wgmma accumulator (64 registers per thread of one warpgroup). Per chunk (scratch written by
 ``kda_fwd_intra``, chunk-padded, so every TMA box is a full 64-row tile of one sequence):
 
@@ -14,7 +14,8 @@ All operands are K-major. Two kernel bodies (``RECUR_VARIANT``):
   shared memory (A operands from smem, a CTA barrier each); w, qg, Aqk, kgᵀ arrive through a 2-stage
   TMA ring issued by thread 0 at the end of each chunk; u and γ are read from global memory in the
   accumulator's layout on the critical path; o is written with predicated scalar stores.
-- ``v2`` (CPU-compiled only, not yet run on a GPU): a math warpgroup plus a TMA warp. The bf16 copies
+- ``v2`` (the default): a math warpgroup plus a TMA warp, persistent (session 7: one CTA per SM
+  walks the (V tile, head, sequence) items, so the TMA ring runs on across item boundaries). The bf16 copies
   of Sᵀ and v_newᵀ stay in registers as wgmma A operands (the C fragment of an m64nN product is the A
   fragment of the next K = N product), so the math warpgroup needs no barrier at all inside a chunk;
   u [64 tok, 64 v] and γ [128] come through a 3-stage TMA ring with w, qg, Aqk, kgᵀ; the TMA warp
@@ -50,8 +51,8 @@ VARIANTS = ("v1", "v2")
 RECUR_VARIANT = __import__("os").environ.get("CULA_KDA_RECUR_VARIANT", "v2")  # env: A/B runs on a GPU
 
 # ---- v2
-# One CTA per SM either way (v1 ~145 KB): the B1 H64 grid is 128 CTAs for 132 SMs, so the depth goes
-# into stages instead. A stage is w + qg (2 x 16 KB) + Aqk (8 KB) + kgᵀ (16 KB) + u (8 KB) + γ (512 B)
+# One CTA per SM either way (v1 ~145 KB): the B1 H64 grid is 128 items for 132 SMs, so the depth goes
+# into stages instead; varlen batches have many short items, which the persistent grid chains. A stage is w + qg (2 x 16 KB) + Aqk (8 KB) + kgᵀ (16 KB) + u (8 KB) + γ (512 B)
 # = 66,048 B; three of them keep two chunks of loads in flight behind the one being consumed, which
 # is what the scratch stream needs at ~4 TB/s (B1 T16384 H64 reads ~1.2 GB of scratch).
 V2_STAGES = 3
@@ -115,10 +116,11 @@ class KdaFwdRecur:
         num_heads_v: cutlass.Int32,
         num_chunks: cutlass.Int32,
         num_seqs: cutlass.Int32,
+        max_ctas: cutlass.Int32,
         stream,
     ):
         args = (pW, pQG, pAqk, pKGT, pU, pGam, pChunks, pSeq, pO, pH0, pHT,
-                total_tokens, num_heads_v, num_chunks, num_seqs, stream)
+                total_tokens, num_heads_v, num_chunks, num_seqs, max_ctas, stream)
         if cutlass.const_expr(self.variant == "v1"):
             self.launch_v1(*args)
         else:
@@ -142,6 +144,7 @@ class KdaFwdRecur:
         num_heads_v: cutlass.Int32,
         num_chunks: cutlass.Int32,
         num_seqs: cutlass.Int32,
+        max_ctas: cutlass.Int32,
         stream,
     ):
         # Raw pointers + sizes cross the host boundary (see kda_fwd_intra); the scratch is viewed with
@@ -425,6 +428,7 @@ class KdaFwdRecur:
         num_heads_v: cutlass.Int32,
         num_chunks: cutlass.Int32,
         num_seqs: cutlass.Int32,
+        max_ctas: cutlass.Int32,
         stream,
     ):
         TT, HV, NC, N = total_tokens, num_heads_v, num_chunks, num_seqs
@@ -480,8 +484,8 @@ class KdaFwdRecur:
             tma_w, tW, tma_qg, tQG, tma_aqk, tAqk, tma_kgt, tKGT, tma_u, tU, tma_gam, tGam,
             mChunks, mSeq, mO, mH0, mHT, self.mma_rs_n64, self.mma_rs_n128,
             self.w2_layout, self.t64_layout, self.kgt2_layout, self.gam_layout,
-        ).launch(grid=[DV // BV, HV, N], block=[V2_THREADS, 1, 1], smem=SharedStorageV2.size_in_bytes(),
-                 stream=stream)
+        ).launch(grid=[cutlass.min((DV // BV) * HV * N, max_ctas), 1, 1], block=[V2_THREADS, 1, 1],
+                 smem=SharedStorageV2.size_in_bytes(), stream=stream)
 
     @cute.kernel
     def kernel_v2(
@@ -512,11 +516,17 @@ class KdaFwdRecur:
     ):
         f32, bf16 = cutlass.Float32, cutlass.BFloat16
         tidx, _, _ = cute.arch.thread_idx()
-        vtile, hv, seq = cute.arch.block_idx()
-        v0 = vtile * BV
+        # Persistent: CTA b takes the work items b, b + grid, ... in order, item = (vtile, head, seq)
+        # with the V tile fastest, so the two V halves of a head stay side by side on neighbouring CTAs
+        # (their shared w, qg, Aqk, kgᵀ, γ loads meet in L2). The TMA ring runs on across items: the
+        # next item's first chunks load while this one finishes (a fresh CTA per item paid the ring's
+        # fill, the launch and the drain each time, ~2.8 µs an item at varlen n20 T8192).
+        cta, _, _ = cute.arch.block_idx()
+        n_ctas, _, _ = cute.arch.grid_dim()
+        n_vt = DV // BV
+        n_hv = mO.shape[1]
+        n_items = n_vt * n_hv * mSeq.shape[0]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        c_first = mSeq[seq, 0]
-        n_chunks = mSeq[seq, 1]
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage_v2)
@@ -545,34 +555,40 @@ class KdaFwdRecur:
             # ============ TMA warp: each stage is refilled as soon as the math warps release it
             for atom in (tma_w, tma_qg, tma_aqk, tma_kgt, tma_u, tma_gam):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
-            gW = cute.local_tile(tW[None, None, hv], (CHUNK, DK), (None, 0))
-            gQG = cute.local_tile(tQG[None, None, hv], (CHUNK, DK), (None, 0))
-            gAqk = cute.local_tile(tAqk[None, None, hv], (CHUNK, CHUNK), (None, 0))
-            gKGT = cute.local_tile(tKGT[None, None, hv], (DK, CHUNK), (0, None))
-            gU = cute.local_tile(tU[None, None, hv], (CHUNK, BV), (None, vtile))
-            gG = cute.local_tile(tGam[None, None, hv], (DK, 1), (0, None))
             one = cute.make_layout(1)
             part = cute.nvgpu.cpasync.tma_partition
-            tWs, tWg = part(tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
-            tQs, tQg = part(tma_qg, 0, one, cute.group_modes(sQG, 0, 2), cute.group_modes(gQG, 0, 2))
-            tAs, tAg = part(tma_aqk, 0, one, cute.group_modes(sAqk, 0, 2), cute.group_modes(gAqk, 0, 2))
-            tKs, tKg = part(tma_kgt, 0, one, cute.group_modes(sKGT, 0, 2), cute.group_modes(gKGT, 0, 2))
-            tUs, tUg = part(tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gU, 0, 2))
-            tGs, tGg = part(tma_gam, 0, one, cute.group_modes(sGam, 0, 2), cute.group_modes(gG, 0, 2))
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, V2_STAGES)
-            for ci in cutlass.range(n_chunks, unroll=1):
-                c = c_first + ci
-                pipe.producer_acquire(prod)
-                bar = pipe.producer_get_barrier(prod)
-                st = prod.index
-                cute.copy(tma_w, tWg[None, c], tWs[None, st], tma_bar_ptr=bar)
-                cute.copy(tma_qg, tQg[None, c], tQs[None, st], tma_bar_ptr=bar)
-                cute.copy(tma_u, tUg[None, c], tUs[None, st], tma_bar_ptr=bar)
-                cute.copy(tma_gam, tGg[None, c], tGs[None, st], tma_bar_ptr=bar)
-                cute.copy(tma_kgt, tKg[None, c], tKs[None, st], tma_bar_ptr=bar)
-                cute.copy(tma_aqk, tAg[None, c], tAs[None, st], tma_bar_ptr=bar)
-                pipe.producer_commit(prod)
-                prod.advance()
+            for item in cutlass.range(cta, n_items, n_ctas, unroll=1):
+                vtile = item % n_vt
+                hv = (item // n_vt) % n_hv
+                seq = item // (n_vt * n_hv)
+                c_first = mSeq[seq, 0]
+                n_chunks = mSeq[seq, 1]
+                gW = cute.local_tile(tW[None, None, hv], (CHUNK, DK), (None, 0))
+                gQG = cute.local_tile(tQG[None, None, hv], (CHUNK, DK), (None, 0))
+                gAqk = cute.local_tile(tAqk[None, None, hv], (CHUNK, CHUNK), (None, 0))
+                gKGT = cute.local_tile(tKGT[None, None, hv], (DK, CHUNK), (0, None))
+                gU = cute.local_tile(tU[None, None, hv], (CHUNK, BV), (None, vtile))
+                gG = cute.local_tile(tGam[None, None, hv], (DK, 1), (0, None))
+                tWs, tWg = part(tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+                tQs, tQg = part(tma_qg, 0, one, cute.group_modes(sQG, 0, 2), cute.group_modes(gQG, 0, 2))
+                tAs, tAg = part(tma_aqk, 0, one, cute.group_modes(sAqk, 0, 2), cute.group_modes(gAqk, 0, 2))
+                tKs, tKg = part(tma_kgt, 0, one, cute.group_modes(sKGT, 0, 2), cute.group_modes(gKGT, 0, 2))
+                tUs, tUg = part(tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gU, 0, 2))
+                tGs, tGg = part(tma_gam, 0, one, cute.group_modes(sGam, 0, 2), cute.group_modes(gG, 0, 2))
+                for ci in cutlass.range(n_chunks, unroll=1):
+                    c = c_first + ci
+                    pipe.producer_acquire(prod)
+                    bar = pipe.producer_get_barrier(prod)
+                    st = prod.index
+                    cute.copy(tma_w, tWg[None, c], tWs[None, st], tma_bar_ptr=bar)
+                    cute.copy(tma_qg, tQg[None, c], tQs[None, st], tma_bar_ptr=bar)
+                    cute.copy(tma_u, tUg[None, c], tUs[None, st], tma_bar_ptr=bar)
+                    cute.copy(tma_gam, tGg[None, c], tGs[None, st], tma_bar_ptr=bar)
+                    cute.copy(tma_kgt, tKg[None, c], tKs[None, st], tma_bar_ptr=bar)
+                    cute.copy(tma_aqk, tAg[None, c], tAs[None, st], tma_bar_ptr=bar)
+                    pipe.producer_commit(prod)
+                    prod.advance()
         else:
             # ============ math warpgroup
             thr64 = mma_n64.get_slice(tidx)
@@ -595,84 +611,90 @@ class KdaFwdRecur:
             cS = thr128.partition_C(cute.make_identity_tensor((BV, DK)))  # (v, k)
             cN = thr64.partition_C(cute.make_identity_tensor((BV, CHUNK)))  # (v, tok)
             tOs = cute.make_tensor(sO_w, cute.make_layout((CHUNK, V2_O_ROWS), stride=(V2_O_PITCH, 1)))
-
-            # ---- initial state (either layout), as Sᵀ[v, k]
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                vv, kk = cS[i]
-                h = f32(0.0)
-                if cutlass.const_expr(self.has_h0):
-                    if cutlass.const_expr(self.v_first):
-                        h = mH0[seq, hv, v0 + vv, kk]
-                    else:
-                        h = mH0[seq, hv, kk, v0 + vv]
-                acc_s[i] = h
-            rS_c.store(acc_s.load().to(bf16))
-
-            # tokens of this sequence: its chunks are consecutive, [bos, seq_end)
-            bos = cutlass.Int32(0)
-            seq_end = cutlass.Int32(0)
-            if n_chunks > 0:
-                last = c_first + n_chunks - 1
-                bos = mChunks[c_first, 0]
-                seq_end = mChunks[last, 0] + mChunks[last, 1]
-
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, V2_STAGES)
-            for ci in cutlass.range(n_chunks, unroll=1):
-                pipe.consumer_wait(cons)
-                st = cons.index
-                # group 1: Sᵀ wᵀ, the head of the chain through the chunk; group 2: oᵀ = Sᵀ qgᵀ, off
-                # the chain, keeps the tensor pipe busy while v_new is formed
-                warpgroup.fence()
-                mma_n64.set(warpgroup.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(cute.size(rS, mode=[2])):
-                    cute.gemm(mma_n64, acc_vt, rS[None, None, kb], rB_w[None, None, kb, st], acc_vt)
-                    mma_n64.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                mma_n64.set(warpgroup.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(cute.size(rS, mode=[2])):
-                    cute.gemm(mma_n64, acc_ot, rS[None, None, kb], rB_qg[None, None, kb, st], acc_ot)
-                    mma_n64.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                # while they run: the previous chunk's o (from its bf16 copy: registers a wgmma wrote in
-                # the previous iteration make ptxas wait for the groups in flight), and u
-                if ci > 0:
-                    self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, warp_idx, tidx, bos, seq_end, ci - 1)
-                cute.copy(u_copy, thr64.partition_C(sU_vt[None, None, st]), rU)
-                warpgroup.wait_group(1)  # group 1 done
-
-                # v_newᵀ and Sᵀ diag(γ) (after the wait for the same reason as o)
-                for i in cutlass.range_constexpr(cute.size(acc_vt)):
-                    acc_vt[i] = rU[i].to(f32) - acc_vt[i]
-                rV_c.store(acc_vt.load().to(bf16))
+            for item in cutlass.range(cta, n_items, n_ctas, unroll=1):
+                vtile = item % n_vt
+                hv = (item // n_vt) % n_hv
+                seq = item // (n_vt * n_hv)
+                v0 = vtile * BV
+                c_first = mSeq[seq, 0]
+                n_chunks = mSeq[seq, 1]
+                # ---- initial state (either layout), as Sᵀ[v, k]
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     vv, kk = cS[i]
-                    acc_s[i] = acc_s[i] * sGam[kk, 0, st]
-                # group 3: Sᵀ += v_newᵀ kg (the chain); group 4: oᵀ += v_newᵀ Aqkᵀ
-                warpgroup.fence()
-                mma_n128.set(warpgroup.Field.ACCUMULATE, True)
-                for kb in cutlass.range_constexpr(cute.size(rV, mode=[2])):
-                    cute.gemm(mma_n128, acc_s, rV[None, None, kb], rB_kgt[None, None, kb, st], acc_s)
-                warpgroup.commit_group()
-                mma_n64.set(warpgroup.Field.ACCUMULATE, True)
-                for kb in cutlass.range_constexpr(cute.size(rV, mode=[2])):
-                    cute.gemm(mma_n64, acc_ot, rV[None, None, kb], rB_aqk[None, None, kb, st], acc_ot)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                pipe.consumer_release(cons)
-                cons.advance()
-                rS_c.store(acc_s.load().to(bf16))  # the next chunk's A operand
-                rO.store(acc_ot.load().to(mO.element_type))
+                    h = f32(0.0)
+                    if cutlass.const_expr(self.has_h0):
+                        if cutlass.const_expr(self.v_first):
+                            h = mH0[seq, hv, v0 + vv, kk]
+                        else:
+                            h = mH0[seq, hv, kk, v0 + vv]
+                    acc_s[i] = h
+                rS_c.store(acc_s.load().to(bf16))
 
-            if n_chunks > 0:
-                self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, warp_idx, tidx, bos, seq_end, n_chunks - 1)
+                # tokens of this sequence: its chunks are consecutive, [bos, seq_end)
+                bos = cutlass.Int32(0)
+                seq_end = cutlass.Int32(0)
+                if n_chunks > 0:
+                    last = c_first + n_chunks - 1
+                    bos = mChunks[c_first, 0]
+                    seq_end = mChunks[last, 0] + mChunks[last, 1]
 
-            if cutlass.const_expr(self.store_ht):
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    vv, kk = cS[i]
-                    if cutlass.const_expr(self.v_first):
-                        mHT[seq, hv, v0 + vv, kk] = acc_s[i]
-                    else:
-                        mHT[seq, hv, kk, v0 + vv] = acc_s[i]
+                for ci in cutlass.range(n_chunks, unroll=1):
+                    pipe.consumer_wait(cons)
+                    st = cons.index
+                    # group 1: Sᵀ wᵀ, the head of the chain through the chunk; group 2: oᵀ = Sᵀ qgᵀ,
+                    # off the chain, keeps the tensor pipe busy while v_new is formed
+                    warpgroup.fence()
+                    mma_n64.set(warpgroup.Field.ACCUMULATE, False)
+                    for kb in cutlass.range_constexpr(cute.size(rS, mode=[2])):
+                        cute.gemm(mma_n64, acc_vt, rS[None, None, kb], rB_w[None, None, kb, st], acc_vt)
+                        mma_n64.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    mma_n64.set(warpgroup.Field.ACCUMULATE, False)
+                    for kb in cutlass.range_constexpr(cute.size(rS, mode=[2])):
+                        cute.gemm(mma_n64, acc_ot, rS[None, None, kb], rB_qg[None, None, kb, st], acc_ot)
+                        mma_n64.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    # while they run: the previous chunk's o (from its bf16 copy: registers a wgmma wrote
+                    # in the previous iteration make ptxas wait for the groups in flight), and u
+                    if ci > 0:
+                        self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, warp_idx, tidx, bos, seq_end, ci - 1)
+                    cute.copy(u_copy, thr64.partition_C(sU_vt[None, None, st]), rU)
+                    warpgroup.wait_group(1)  # group 1 done
+
+                    # v_newᵀ and Sᵀ diag(γ) (after the wait for the same reason as o)
+                    for i in cutlass.range_constexpr(cute.size(acc_vt)):
+                        acc_vt[i] = rU[i].to(f32) - acc_vt[i]
+                    rV_c.store(acc_vt.load().to(bf16))
+                    for i in cutlass.range_constexpr(cute.size(acc_s)):
+                        vv, kk = cS[i]
+                        acc_s[i] = acc_s[i] * sGam[kk, 0, st]
+                    # group 3: Sᵀ += v_newᵀ kg (the chain); group 4: oᵀ += v_newᵀ Aqkᵀ
+                    warpgroup.fence()
+                    mma_n128.set(warpgroup.Field.ACCUMULATE, True)
+                    for kb in cutlass.range_constexpr(cute.size(rV, mode=[2])):
+                        cute.gemm(mma_n128, acc_s, rV[None, None, kb], rB_kgt[None, None, kb, st], acc_s)
+                    warpgroup.commit_group()
+                    mma_n64.set(warpgroup.Field.ACCUMULATE, True)
+                    for kb in cutlass.range_constexpr(cute.size(rV, mode=[2])):
+                        cute.gemm(mma_n64, acc_ot, rV[None, None, kb], rB_aqk[None, None, kb, st], acc_ot)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    pipe.consumer_release(cons)
+                    cons.advance()
+                    rS_c.store(acc_s.load().to(bf16))  # the next chunk's A operand
+                    rO.store(acc_ot.load().to(mO.element_type))
+
+                if n_chunks > 0:
+                    self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, warp_idx, tidx, bos, seq_end, n_chunks - 1)
+
+                if cutlass.const_expr(self.store_ht):
+                    for i in cutlass.range_constexpr(cute.size(acc_s)):
+                        vv, kk = cS[i]
+                        if cutlass.const_expr(self.v_first):
+                            mHT[seq, hv, v0 + vv, kk] = acc_s[i]
+                        else:
+                            mHT[seq, hv, kk, v0 + vv] = acc_s[i]
 
     @cute.jit
     def store_o_v2(self, rO, cN, tOs, sO_w, mO, hv, v0, warp, tidx, bos, seq_end, ci):
@@ -705,7 +727,7 @@ def fake_args(o_dtype=cutlass.BFloat16):
     dts = [bf16, bf16, bf16, bf16, bf16, f32, i32, i32, o_dtype, f32, f32]
     aligns = [16, 16, 16, 16, 16, 16, 8, 8, 16, 16, 16]
     ptrs = [fake_ptr(i, dt, a) for i, (dt, a) in enumerate(zip(dts, aligns))]
-    return (*ptrs, i32(1000), i32(2), i32(16), i32(1))
+    return (*ptrs, i32(1000), i32(2), i32(16), i32(1), i32(132))
 
 
 def compile_targets():
@@ -824,18 +846,19 @@ def layout_facts() -> dict:
 # stage 2 alone on a GPU: either body on a given scratch (tests, timing)
 # ------------------------------------------------------------------------------------------------
 def run(scratch: dict, chunks, seqs, total_tokens: int, initial_state=None, output_final_state: bool = True,
-        state_v_first: bool = False, variant: str | None = None, o_dtype=None):
+        state_v_first: bool = False, variant: str | None = None, o_dtype=None, max_ctas: int | None = None):
     """Launch only the recurrence (``variant``: ``VARIANTS``, default ``RECUR_VARIANT``) on a stage-1
     scratch in the kernels' dtypes (w, qg, aqk, kgt, u bf16; gam fp32) and chunk tables on the GPU.
-    Returns ``(o [TT, HV, 128], final state or None)``."""
+    ``max_ctas`` caps v2's persistent grid (default: one CTA per SM; tests use a few CTAs so each walks
+    many work items). Returns ``(o [TT, HV, 128], final state or None)``."""
     launch, o, ht = prepare(scratch, chunks, seqs, total_tokens, initial_state, output_final_state,
-                            state_v_first, variant, o_dtype)
+                            state_v_first, variant, o_dtype, max_ctas)
     launch()
     return o, ht
 
 
 def prepare(scratch: dict, chunks, seqs, total_tokens: int, initial_state=None, output_final_state: bool = True,
-            state_v_first: bool = False, variant: str | None = None, o_dtype=None):
+            state_v_first: bool = False, variant: str | None = None, o_dtype=None, max_ctas: int | None = None):
     """``run`` split in two: compiles (once per variant and flags, into ``kda_fwd``'s cache under its own
     key, so it never replaces what ``kda_fwd()`` launches) and returns ``(launch, o, final state or
     None)``; each ``launch()`` queues the kernel again on the same buffers (timing without host work)."""
@@ -865,7 +888,8 @@ def prepare(scratch: dict, chunks, seqs, total_tokens: int, initial_state=None, 
     stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
     i32 = cutlass.Int32
     args = (*(kf._ptr(t) for t in bufs), kf._ptr(tables[0], 8), kf._ptr(tables[1], 8),
-            *(kf._ptr(t) for t in (o, h0, ht)), i32(total_tokens), i32(HV), i32(NC), i32(N), stream)
+            *(kf._ptr(t) for t in (o, h0, ht)), i32(total_tokens), i32(HV), i32(NC), i32(N),
+            i32(max_ctas if max_ctas is not None else kf.sm_count(dev)), stream)
     key = (f"recur_{variant}", (tuple(sorted(flags.items())), o_dt))
     if key not in kf._COMPILED:
         kf._COMPILED[key] = cute.compile(KdaFwdRecur(**flags, variant=variant), *fake_args(o_dt), make_fake_stream())
