@@ -79,6 +79,12 @@ for s in $steps; do
         step kda_check_persist 150 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases tc-varlen-zero,tc-varlen-33,tc-T65-gva-vfirst,tc-T1000-negeig
         step kda_split_persist 60 python3 -m cula.kernels.sm90.kda_fwd --check --split all ;;
+    invwg)  # stage 1's inverse step 3 on wgmma (CULA_KDA_TC_INV_WGMMA=1, CPU-compiled only): checks, A/B/A splits
+        step kda_check_invwg 200 env CULA_KDA_TC_INV_WGMMA=1 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases tc-T1,tc-T65-gva-vfirst,tc-varlen-zero,tc-lb11-strong,tc-T1000-negeig,tc-fp32-gate-plainbeta
+        for a in 0 1 0; do
+            step kda_split_inv$a 60 env CULA_KDA_TC_INV_WGMMA=$a python3 -m cula.kernels.sm90.kda_fwd --check --split all
+        done ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;

@@ -510,7 +510,8 @@ def kda_fwd(
         tc_flags = dict(use_qk_l2norm=True, has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
                         use_beta_sigmoid=bool(use_beta_sigmoid_in_kernel),
                         allow_neg_eigval=bool(allow_neg_eigval), group=HV // H,
-                        packed_offdiag=intra_tc.PACKED_OFFDIAG, warpgroups=intra_tc.WARPGROUPS)
+                        packed_offdiag=intra_tc.PACKED_OFFDIAG, warpgroups=intra_tc.WARPGROUPS,
+                        inv_wgmma=intra_tc.INV_WGMMA)
         _launcher("intra_tc", (tuple(sorted(tc_flags.items())), dts), lambda: intra_tc.KdaFwdIntraTC(**tc_flags),
                   _intra_specs(*dts))(*intra_values)
     elif "intra" in stages:

@@ -82,6 +82,12 @@ PACKED_OFFDIAG = __import__("os").environ.get("CULA_KDA_TC_PACKED_OFFDIAG", "1")
 #: each), the inverse's 16x16 substitutions stay on warpgroup 0 while its products use all 256 threads,
 #: and ptxas holds each thread to 128 registers.
 WARPGROUPS = int(__import__("os").environ.get("CULA_KDA_TC_WARPGROUPS", "1"))
+#: Step 3 of the inverse (the lower-left 32x32 block, ~900 of the ~6,700 PTX instructions per thread on
+#: the CUDA cores) as two wgmma products on a bf16 hi/lo split of each fp32 operand (three passes:
+#: hi·hi + hi·lo + lo·hi, ~2^-17 relative against fp32's 2^-24; T' is rounded to bf16 right after).
+#: One warpgroup only. ``CULA_KDA_TC_INV_WGMMA=1``: CPU-compiled, not yet run on a GPU.
+INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "0") == "1"
+SPLIT_PASSES = ((0, 0), (0, 1), (1, 0))  # (A part, B part) of each pass, 0 = hi, 1 = lo: lo·lo is dropped
 
 BF16 = cutlass.BFloat16
 F32 = cutlass.Float32
@@ -105,8 +111,11 @@ class KdaFwdIntraTC:
         group: int,
         packed_offdiag: bool = True,
         warpgroups: int = 1,
+        inv_wgmma: bool = False,
     ):
         assert warpgroups in (1, 2), warpgroups
+        assert not (inv_wgmma and warpgroups != 1), "the wgmma inverse step is written for one warpgroup"
+        self.inv_wgmma = inv_wgmma
         self.use_qk_l2norm = use_qk_l2norm
         self.packed_offdiag = packed_offdiag
         # 2: the chunk on two warpgroups (see WARPGROUPS); the element-wise phases give each thread 4 rows
@@ -666,7 +675,7 @@ class KdaFwdIntraTC:
                 cute.arch.cp_async_bulk_commit_group()
 
         # ==================================================== phase 4: T = (I + Akk)^-1, fp32 SIMT
-        self.invert(sA, sT, sY, warp, lane, tidx)
+        self.invert(sA, sT, sY, warp, lane, tidx, tb_raw)
         # T' = T diag(β) in bf16 (upper blocks zero): the A operand of w and u; each thread forms
         # 8-column pieces of one row
         tpr = self.threads // CHUNK  # threads per row
@@ -735,14 +744,15 @@ class KdaFwdIntraTC:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def invert(self, sA: cute.Tensor, sT: cute.Tensor, sY: cute.Tensor, warp, lane, tidx):
+    def invert(self, sA: cute.Tensor, sT: cute.Tensor, sY: cute.Tensor, warp, lane, tidx, b_raw: cute.Pointer):
         """sT <- (I + sA)^-1 on and below the diagonal blocks (sA strictly lower, fp32, row pitch PAD).
 
         1. warp w, lanes 0..15: column ``lane`` of the 16x16 diagonal block w by forward substitution
            (lanes 16..31 of warps 0 and 2 zero the blocks (0,1) and (2,3), which steps 2/3 read);
         2. T_10 = −T_11 (A_10 T_00), T_32 = −T_33 (A_32 T_22);
         3. the lower-left 32x32 block: T_BA = −T_B (A_BA T_A), T_A / T_B the upper / lower 32x32
-           diagonal blocks of T (lower block triangular, so L^-1 = [[T_A, 0], [−T_B A_BA T_A, T_B]]).
+           diagonal blocks of T (lower block triangular, so L^-1 = [[T_A, 0], [−T_B A_BA T_A, T_B]]);
+           with ``inv_wgmma`` on the tensor cores (:meth:`lower_left_wgmma`, 8 KB of scratch at ``b_raw``).
 
         The products of steps 2-3 give each thread a small register tile (2x2, 4x2) and read rows of the
         left factor as 16-byte vectors and pairs of the right one as 8-byte vectors: ~0.75 shared loads per
@@ -778,6 +788,17 @@ class KdaFwdIntraTC:
                 acc2[x, y] = -acc2[x, y]
             cute.autovec_copy(acc2[x, None], _vec(pT, (ib * SUB + r2 * rg + x) * PAD + jb * SUB + 2 * cp, 2))
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.inv_wgmma):
+            self.lower_left_wgmma(sA, sT, b_raw, warp, tidx)
+        else:
+            self.lower_left_simt(sA, sT, sY, tidx)
+
+    @cute.jit
+    def lower_left_simt(self, sA: cute.Tensor, sT: cute.Tensor, sY: cute.Tensor, tidx):
+        """Step 3 of :meth:`invert` on the CUDA cores (fp32)."""
+        pA = sA.iterator
+        pT = sT.iterator
+        pY = sY.iterator
         # step 3: Y = A_BA T_A, then T_BA = −T_B Y (32x32 each, k < 32); a thread owns rows r3 rg3 ..
         # + r3 - 1 (r3 = 4 with one warpgroup, 2 with two) and columns 2cp, 2cp+1
         half = 2 * SUB
@@ -795,6 +816,118 @@ class KdaFwdIntraTC:
                 acc3[x, y] = -acc3[x, y]
             cute.autovec_copy(acc3[x, None], _vec(pT, (half + r3 * rg3 + x) * PAD + 2 * cp3, 2))
         cute.arch.sync_threads()
+
+    @cute.jit
+    def lower_left_wgmma(self, sA: cute.Tensor, sT: cute.Tensor, b_raw: cute.Pointer, warp, tidx):
+        """Step 3 of :meth:`invert` on wgmma: Y = A_BA T_A, then T_BA = −T_B Y.
+
+        Each product is m64n64k32 with A from registers and B (MN-major, [64 n, 32 k], columns n >= 32
+        unused) from two 4 KB smem tiles at ``b_raw``: hi = bf16(x) and lo = bf16(x − hi), accumulated
+        as A_hi B_hi + A_hi B_lo + A_lo B_hi in fp32. Rows 32..63 of the m64 tile (warps 2 and 3) are
+        the block's rows; warps 0 and 1 feed zero A rows and discard theirs.
+        """
+        half = 2 * SUB
+        kmode = warpgroup.OperandMajorMode.K
+        mnmode = warpgroup.OperandMajorMode.MN
+        rsrc = warpgroup.OperandSource.RMEM
+        mma = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, mnmode, F32, (1, 1, 1), (CHUNK, CHUNK), rsrc)
+        # a K = 32 A operand is addressed through the C fragment of an m64n32 product (never issued)
+        mma_k = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, mnmode, F32, (1, 1, 1), (CHUNK, half), rsrc)
+        b_layout = sm90_utils.make_smem_layout_b(utils.LayoutEnum.COL_MAJOR, (CHUNK, CHUNK, half), BF16, 1)
+        lo_raw = b_raw + CHUNK * half
+        sB = [cute.make_tensor(cute.recast_ptr(r, swizzle_=b_layout.inner, dtype=BF16), b_layout.outer)
+              for r in (b_raw, lo_raw)]
+        thr = mma.get_slice(tidx)
+        tB = [thr.make_fragment_B(thr.partition_B(t)) for t in sB]
+        acc = thr.make_fragment_C(thr.partition_shape_C((CHUNK, CHUNK)))
+        cC = thr.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))  # (row i, column n)
+        thr_k = mma_k.get_slice(tidx)
+        ck = thr_k.make_fragment_C(thr_k.partition_shape_C((CHUNK, half)))
+        cK = thr_k.partition_C(cute.make_identity_tensor((CHUNK, half)))  # (row i, k)
+        rA = [cute.make_rmem_tensor(a_operand_layout(ck.layout), BF16) for _ in range(2)]
+        rA_c = [cute.make_tensor(r.iterator, ck.layout) for r in rA]
+        pA = sA.iterator
+        pT = sT.iterator
+        obf = cute.make_rmem_tensor(cute.make_layout(8), BF16)
+
+        # ---- product 1: B[n, k] = T_A[k, n] (thread: row k of T_A, columns n0 .. n0 + 7), A = A_BA
+        kk = tidx // 4
+        n0 = (tidx % 4) * 8
+        t8 = cute.make_rmem_tensor(cute.make_layout(8), F32)
+        for h in cutlass.range_constexpr(2):
+            t4 = cute.make_tensor(t8.iterator + 4 * h, cute.make_layout(4))
+            cute.autovec_copy(_vec(pT, kk * PAD + n0 + 4 * h, 4), t4)
+        self.split_store8(t8, b_layout, (b_raw, lo_raw), (n0, kk, 0), obf)
+        self.split_a(pA, 0, rA_c, cK, warp)
+        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+        cute.arch.sync_threads()
+        self.split_gemm(mma, acc, rA, tB)
+        cute.arch.sync_threads()  # every warp is past the product: its B tiles can be rewritten
+
+        # ---- product 2: B[n, k] = Y[k, n] (warps 2, 3 hold Y in rows 32 + k), A = T_B
+        if warp >= 2:
+            for e in cutlass.range_constexpr(0, cute.size(acc), 2):
+                i, n = cC[e]
+                if n < half:
+                    pair = cute.make_rmem_tensor(cute.make_layout(2), F32)
+                    pair[0] = acc[e]
+                    pair[1] = acc[e + 1]
+                    hi = pair.load().to(BF16)
+                    lo = (pair.load() - hi.to(F32)).to(BF16)
+                    off = cute.assume(_swizzled_offset(b_layout, (n, i - half, 0)), divby=2)
+                    cute.make_tensor(b_raw + off, cute.make_layout(2)).store(hi)
+                    cute.make_tensor(lo_raw + off, cute.make_layout(2)).store(lo)
+        self.split_a(pT, half, rA_c, cK, warp)
+        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+        cute.arch.sync_threads()
+        self.split_gemm(mma, acc, rA, tB)
+        if warp >= 2:
+            for e in cutlass.range_constexpr(0, cute.size(acc), 2):
+                i, n = cC[e]
+                if n < half:
+                    pair = cute.make_rmem_tensor(cute.make_layout(2), F32)
+                    pair[0] = -acc[e]
+                    pair[1] = -acc[e + 1]
+                    cute.autovec_copy(pair, _vec(pT, i * PAD + n, 2))
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def split_store8(self, vals: cute.Tensor, layout: cute.ComposedLayout, raws: tuple, coord, obf: cute.Tensor):
+        """Store 8 fp32 values as bf16 hi = bf16(x) and lo = bf16(x − hi) at ``coord`` of two swizzled tiles."""
+        hi = vals.load().to(BF16)
+        obf.store(hi)
+        _st8(layout, raws[0], coord, obf)
+        obf.store((vals.load() - hi.to(F32)).to(BF16))
+        _st8(layout, raws[1], coord, obf)
+
+    @cute.jit
+    def split_a(self, pSrc: cute.Pointer, col0: cutlass.Constexpr, rA_c: list, cK: cute.Tensor, warp):
+        """A operand (hi, lo) of a K = 32 product: rows 32..63 of the fp32 matrix at ``pSrc`` (pitch PAD),
+        columns ``col0`` .. + 31, on warps 2 and 3; zeros on warps 0 and 1."""
+        for x in cutlass.range_constexpr(2):
+            rA_c[x].fill(0.0)
+        if warp >= 2:
+            for e in cutlass.range_constexpr(0, cute.size(rA_c[0]), 2):
+                i, k = cK[e]
+                pair = cute.make_rmem_tensor(cute.make_layout(2), F32)
+                cute.autovec_copy(_vec(pSrc, i * PAD + col0 + k, 2), pair)
+                hi = pair.load().to(BF16)
+                lo = (pair.load() - hi.to(F32)).to(BF16)
+                for h in cutlass.range_constexpr(2):
+                    rA_c[0][e + h] = hi[h]
+                    rA_c[1][e + h] = lo[h]
+
+    @cute.jit
+    def split_gemm(self, mma: cute.TiledMma, acc: cute.Tensor, rA: list, tB: list):
+        """acc = A_hi B_hi + A_hi B_lo + A_lo B_hi (fp32 accumulate; the first pass overwrites acc)."""
+        warpgroup.fence()
+        for p in cutlass.range_constexpr(len(SPLIT_PASSES)):
+            a_i, b_i = SPLIT_PASSES[p]
+            for kb in cutlass.range_constexpr(cute.size(rA[a_i], mode=[2])):
+                mma.set(warpgroup.Field.ACCUMULATE, p != 0 or kb != 0)
+                cute.gemm(mma, acc, rA[a_i][None, None, kb], tB[b_i][None, None, kb, 0], acc)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
 
     @cute.jit
     def diagonal_blocks(self, pA: cute.Pointer, sT: cute.Tensor, warp, lane):
@@ -931,6 +1064,7 @@ def compile_targets():
                                                  "has_dt_bias": False, "use_beta_sigmoid": False,
                                                  "allow_neg_eigval": True, "group": 2}),
         "scalar_offdiag": build(cutlass.BFloat16, **full, packed_offdiag=False),
+        "inv_wgmma": build(cutlass.BFloat16, **full, inv_wgmma=True),
         "two_wg": build(cutlass.BFloat16, **full, warpgroups=2),
         "two_wg_fp32_gate_gva": build(cutlass.Float32, **{**full, "use_beta_sigmoid": False, "group": 2},
                                       warpgroups=2),
