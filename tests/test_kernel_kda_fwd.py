@@ -90,7 +90,7 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc", True),
                                                ("intra_tc_fp32_gate", True), ("intra_tc_plain_gva", True),
                                                ("intra_tc_scalar_offdiag", True), ("intra_tc_two_wg", True),
-                                               ("intra_tc_two_wg_fp32_gate_gva", True), ("intra_tc_inv_wgmma", True)])
+                                               ("intra_tc_two_wg_fp32_gate_gva", True), ("intra_tc_simt_inverse", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -117,8 +117,9 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         two = "two_wg" in target
         # 2 x 8 diagonal (m64n64) + 3 x 2 x 8 off-diagonal (m64n16, A from registers) + 2 x 4 (m64n128);
         # with two warpgroups each runs one of the two products of phases 3 and 5 (half of them)
-        # the wgmma inverse step adds 2 products x 3 hi/lo passes x 2 k-blocks (m64n64k16, A from registers)
-        inv = 12 if target.endswith("inv_wgmma") else 0
+        # the wgmma inverse step (the default with one warpgroup) adds 2 products x 3 hi/lo passes x 2
+        # k-blocks (m64n64k16, A from registers)
+        inv = 0 if two or target.endswith("simt_inverse") else 12
         assert rep.count("wgmma.mma_async") == (36 if two else 72) + inv
         assert rep.count("cp.async.bulk.tensor") == 5  # TMA stores: aqk, w and u (two 64-column boxes)
         # 16-byte accesses: 4 (8) rows x q, k, v, g per thread
@@ -238,13 +239,13 @@ def test_gpu_kernel_matches_reference(case):
 @gpu
 @pytest.mark.parametrize("name", ["tc-T1", "tc-T65-gva-vfirst", "tc-varlen-zero", "tc-lb11-strong",
                                   "tc-T1000-negeig", "tc-fp32-gate-plainbeta"])
-def test_gpu_wgmma_inverse_step_matches_reference(name, monkeypatch):
-    """``INV_WGMMA`` (opt-in): the inverse's lower-left block on wgmma with a bf16 hi/lo split; the same
-    per-output checks as the default stage 1 (w and u carry any error of T)."""
+def test_gpu_simt_inverse_step_matches_reference(name, monkeypatch):
+    """``INV_WGMMA = False`` (the fp32 SIMT lower-left block, kept for A/B runs): the same per-output
+    checks as the default stage 1 (w and u carry any error of T)."""
     from cula.kernels.sm90 import kda_fwd_check as chk
     from cula.kernels.sm90 import kda_fwd_intra_tc as tc
 
-    monkeypatch.setattr(tc, "INV_WGMMA", True)
+    monkeypatch.setattr(tc, "INV_WGMMA", False)
     case = next(c for c in chk.CASES if c[0] == name)
     ok, errs = chk.check_case(case, torch.device("cuda"), None)
     assert ok, errs
