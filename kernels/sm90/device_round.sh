@@ -85,6 +85,11 @@ for s in $steps; do
         for a in 0 1 0; do
             step kda_split_inv$a 60 env CULA_KDA_TC_INV_WGMMA=$a python3 -m cula.kernels.sm90.kda_fwd --check --split all
         done ;;
+    kda_gpu)  # every kda_fwd check case through pytest (stage 1 either kernel, the persistent stage 2)
+        step kda_gpu 280 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "kernel_matches_reference" ;;
+    flush32)  # the flush-eviction GPU test at 32 MiB (16 MiB was too close to the launch floor)
+        step flush_test 40 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_bench_gpu.py -k flushes ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
