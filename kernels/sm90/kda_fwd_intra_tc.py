@@ -19,7 +19,7 @@ leakage through rounding; FLA's KDA intra makes the same choice). Both off-diago
 The host sends other gates to ``kda_fwd_intra`` (exact for any gate).
 
 One warpgroup (128 threads) per CTA, two CTAs per SM (~104 KB of shared memory each). With
-``WARPGROUPS = 2`` (opt-in, not yet run on a GPU) the same chunk runs on 256 threads: phases 1-2 give each
+``WARPGROUPS = 2`` (opt-in; correct on the H200 but 15% slower, session 7) the same chunk runs on 256 threads: phases 1-2 give each
 thread 4 rows, warpgroup 0 forms Akk and w, warpgroup 1 Aqk and u, and the inverse's products use all
 256 threads (its 16x16 substitutions stay on warps 0-3). Phases:
   1. loads (16-byte, coalesced): q, k, v, g of the chunk; thread t owns rows 8(t/16)..+7 and columns
@@ -31,8 +31,9 @@ thread 4 rows, warpgroup 0 forms Akk and w, warpgroup 1 Aqk and u, and the inver
      J the off-diagonal rows ``(Ka ⊙ 2^(C_I − E_J)) K̂_Jᵀ`` (RS: each warp scales its own A rows, m64n16,
      48 instructions). Combined in registers: the m64n16 fragment of block J is exactly the register
      range 8J..8J+7 of the m64n64 fragment (same threads, same rows and columns).
-  4. T = (I + Akk)^-1 in fp32 on the CUDA cores: 16x16 diagonal blocks by substitution, then
-     T_10, T_32 and the lower-left 32x32 by the doubling formula T_BA = −T_B A_BA T_A.
+  4. T = (I + Akk)^-1 in fp32: 16x16 diagonal blocks by substitution, then T_10, T_32 and the
+     lower-left 32x32 by the doubling formula T_BA = −T_B A_BA T_A (its two 32x32 products on wgmma
+     over a bf16 hi/lo split of the fp32 operands, ``INV_WGMMA``; the rest on the CUDA cores).
   5. wgmma: w = T' X, u = T' v with T' = T diag(β) in bf16 (SS, m64n128k16, 8 instructions).
   6. stmatrix into swizzled tiles, TMA stores of w, u and aqk.
 """
@@ -76,11 +77,11 @@ SMEM_PER_SM = 233472  # H100/H200: answers the DSL's device query on a CPU compi
 #: (session 5: tc-T1 / tc-varlen-33 / tc-lb11-strong pass with the same errors, stage 1 5-8% faster);
 #: ``CULA_KDA_TC_PACKED_OFFDIAG=0`` restores the fp32 scaling for A/B runs.
 PACKED_OFFDIAG = __import__("os").environ.get("CULA_KDA_TC_PACKED_OFFDIAG", "1") == "1"
-#: Warpgroups per CTA. 2 (``CULA_KDA_TC_WARPGROUPS=2``; compiled and PTX-checked on the CPU, not yet run
-#: on a GPU) puts 16 warps per SM instead of 8 on the issue-bound kernel: each thread of phases 1-2 owns
-#: 4 rows instead of 8, warpgroup 0 forms Akk and w while warpgroup 1 forms Aqk and u (one wgmma chain
-#: each), the inverse's 16x16 substitutions stay on warpgroup 0 while its products use all 256 threads,
-#: and ptxas holds each thread to 128 registers.
+#: Warpgroups per CTA. 2 (``CULA_KDA_TC_WARPGROUPS=2``) puts 16 warps per SM instead of 8 on the
+#: issue-bound kernel: each thread of phases 1-2 owns 4 rows instead of 8, warpgroup 0 forms Akk and w
+#: while warpgroup 1 forms Aqk and u, the inverse's 16x16 substitutions stay on warpgroup 0 while its
+#: products use all 256 threads, and ptxas holds each thread to 128 registers. On the H200 it passes the
+#: checks but stage 1 is 15% slower (B1 T16384 1.077 -> 1.242 ms): ~28% more instructions per chunk.
 WARPGROUPS = int(__import__("os").environ.get("CULA_KDA_TC_WARPGROUPS", "1"))
 #: Step 3 of the inverse (the lower-left 32x32 block: 512 FMA and ~110 shared loads per thread on the
 #: CUDA cores) as two wgmma products on a bf16 hi/lo split of each fp32 operand (three passes:
