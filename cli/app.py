@@ -78,7 +78,7 @@ def bench(
     max_time: Optional[float] = typer.Option(None, "--max-time", help="Seconds of timed calls per impl, config and mode (default 1.0)."),
     max_reps: Optional[int] = typer.Option(None, "--max-reps", help="Most timed calls per impl, config and mode (default 50)."),
     no_graph: bool = typer.Option(False, "--no-graph", help="Skip the CUDA-graph timing."),
-    flush: str = typer.Option("write", "--flush", help="How L2 is emptied before each timed call: write (zero 256 MiB, as triton's do_bench) | read (read it: L2 left without dirty lines)."),
+    flush: str = typer.Option("write", "--flush", help="How L2 is emptied before each timed call: write (zero 256 MiB, as triton's do_bench; a read-only pass was tried and does not evict on the H200)."),
     results_dir: Optional[Path] = typer.Option(None, "--results-dir", help="Store root. Default: reports/results (GPU), ~/.cache/cula/results (CPU)."),
     out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Also write the finished run as one parquet file <run_id>.parquet here."),
     plain: bool = typer.Option(False, "--plain", help="Plain progress lines even on a terminal."),

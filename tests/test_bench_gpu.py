@@ -80,18 +80,16 @@ def test_timer_eager_graph_and_failed_capture():
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("flush", ["write", "read"])
-def test_both_flushes_evict_the_inputs(flush):
-    """A 32 MiB read fits in L2 (50 MiB): timed without a real flush (4 KiB) it re-reads L2, after
-    either 256 MiB flush it comes from HBM and takes longer (graph replays, so launch gaps do not hide
-    it). At 16 MiB the read flush measured 13.4 against 11.7 us (1.146x), too close to the launch
-    floor to tell; 32 MiB doubles the HBM part."""
+def test_the_flush_evicts_the_inputs():
+    """A 32 MiB read fits in L2 (50 MiB): timed without a real flush (4 KiB) it re-reads L2, after the
+    256 MiB write flush it comes from HBM and takes longer (graph replays, so launch gaps do not hide
+    it). A read-only flush failed this on the H200 (17.4 against 17.0 us) and was removed."""
     x = torch.ones(8 << 20, device="cuda")  # 32 MiB
-    flushed = Timer("cuda", TimingSettings(max_reps=30, max_time_s=0.05, flush=flush))
-    cached = Timer("cuda", TimingSettings(max_reps=30, max_time_s=0.05, flush=flush, flush_bytes=4096))
+    flushed = Timer("cuda", TimingSettings(max_reps=30, max_time_s=0.05))
+    cached = Timer("cuda", TimingSettings(max_reps=30, max_time_s=0.05, flush_bytes=4096))
     t_flushed = flushed.graph(lambda: x.sum()).median_ms
     t_cached = cached.graph(lambda: x.sum()).median_ms
-    assert t_flushed > 1.15 * t_cached, (flush, t_flushed, t_cached)
+    assert t_flushed > 1.15 * t_cached, (t_flushed, t_cached)
 
 
 def test_failed_captures_do_not_keep_memory():

@@ -4,8 +4,9 @@ On CUDA every timed call is bracketed by CUDA events and preceded by a write of 
 (``flush_bytes``, default 256 MiB, several times the size of an H100/H200 L2) so no call starts with its inputs
 already in L2 - the same discipline as ``triton.testing.do_bench``. That write leaves L2 full of dirty
 lines, and the timed call pays for writing them back as it evicts them (tens of MB on an H200: several
-microseconds, the same for every impl, which compresses ratios of short calls). ``flush="read"`` reads
-the buffer instead (one reduction): L2 still holds none of the call's inputs, and no dirty lines. The number of timed calls is
+microseconds, the same for every impl, which compresses ratios of short calls). A read-only flush
+(one reduction over the buffer, tried in session 7) does not evict on the H200: a 32 MiB input summed
+after it took 17.4 us against 17.0 us with no flush at all, so writing is the only mode. The number of timed calls is
 capped both by count (``max_reps``) and by wall time (``max_time_s`` per impl and mode), so a suite
 has a predictable duration; at least ``min_reps`` calls are timed even when one call is slow.
 
@@ -49,11 +50,11 @@ class TimingSettings:
     warmup_ms: float = 25.0
     flush_bytes: int = 256 * 1024 * 1024
     graphs: bool = True
-    flush: str = "write"  # "write" (do_bench's zeroing) or "read" (L2 left clean); see the module docstring
+    flush: str = "write"  # do_bench's zeroing; see the module docstring for why there is no read mode
 
 
-#: The two ways the timer empties L2 before a timed call.
-FLUSH_MODES = ("write", "read")
+#: The ways the timer empties L2 before a timed call (a read-only pass does not evict: module docstring).
+FLUSH_MODES = ("write",)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -94,7 +95,6 @@ class Timer:
         if self.s.flush not in FLUSH_MODES:
             raise ValueError(f"flush: expected one of {FLUSH_MODES}, got {self.s.flush!r}")
         self._flush_buf: Any = None
-        self._flush_sink: Any = None
 
     # -- helpers ------------------------------------------------------------------------------
     def _flush(self) -> None:
@@ -102,11 +102,7 @@ class Timer:
 
         if self._flush_buf is None:
             self._flush_buf = torch.zeros(self.s.flush_bytes // 4, dtype=torch.int32, device="cuda")
-            self._flush_sink = torch.empty((), dtype=torch.int32, device="cuda")
-        if self.s.flush == "read":
-            torch.amax(self._flush_buf, dim=0, out=self._flush_sink)  # reads every byte, writes 4
-        else:
-            self._flush_buf.zero_()
+        self._flush_buf.zero_()
 
     def _reps_for(self, est_ms: float) -> tuple[int, int]:
         """(warm-up calls, timed calls) for a call that takes about ``est_ms``."""
@@ -218,7 +214,6 @@ class Timer:
     def release(self) -> None:
         """Free the flush buffer."""
         self._flush_buf = None
-        self._flush_sink = None
 
 
 def measure_ceilings(device: str, seconds: float = 2.0) -> tuple[float, float, str]:

@@ -60,10 +60,6 @@ for s in $steps; do
     s6)  # session 6: leaner gate / exponent arguments in stage 1: checks, split, then the gradient API tests
         step kda_check 110 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-T65-gva-vfirst,tc-lb11-strong
         step kda_split 70 python3 -m cula.kernels.sm90.kda_fwd --check --split all ;;
-    flush)  # session 6's question: how much of a short call's time is the write flush's dirty L2?
-        step flush_test 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_bench_gpu.py -k flushes
-        step decode_suite_read 110 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite decode --mode both \
-            --impl fla,cula --plain --out-dir "$OUT" --max-time 0.15 --flush read ;;
     twowg)  # stage 1 on two warpgroups (CULA_KDA_TC_WARPGROUPS=2, CPU-compiled only): checks, then A/B/A splits
         step kda_check_2wg 180 env CULA_KDA_TC_WARPGROUPS=2 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases tc-T1,tc-T65-gva-vfirst,tc-varlen-zero,tc-lb11-strong,tc-fp32-gate-plainbeta
@@ -88,8 +84,8 @@ for s in $steps; do
     kda_gpu)  # every kda_fwd check case through pytest (stage 1 either kernel, the persistent stage 2)
         step kda_gpu 280 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "kernel_matches_reference" ;;
-    flush32)  # the flush-eviction GPU test at 32 MiB (16 MiB was too close to the launch floor)
-        step flush_test 40 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_bench_gpu.py -k flushes ;;
+    flush32)  # the flush-eviction GPU test at 32 MiB (the write flush; the read flush was removed)
+        step flush_test 40 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_bench_gpu.py -k evicts ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
