@@ -1,4 +1,5 @@
-"""The tensor-core stage 1's triangular inverse (``KdaFwdIntraTC.invert``, SIMT) run from its own DSL
+"""The tensor-core stage 1's triangular inverse (``KdaFwdIntraTC.invert`` with its fp32 SIMT lower-left
+block, ``lower_left_simt``) run from its own DSL
 source on the CPU under tests/_dsl_emulator.py: 128 emulated threads, the kernel's shared-memory pitches,
 every vector access checked for alignment and every shared read for a prior write.
 
@@ -37,6 +38,7 @@ def run_invert(a: torch.Tensor, warpgroups: int = 1) -> torch.Tensor:
     invert = emu.rebind(tc.KdaFwdIntraTC.invert, ns)
     tile = emu.rebind(tc.KdaFwdIntraTC._tile_product, ns)
     diagonal = emu.rebind(tc.KdaFwdIntraTC.diagonal_blocks, ns)
+    lower_left = emu.rebind(tc.KdaFwdIntraTC.lower_left_simt, ns)
 
     class Cfg:
         pass
@@ -45,6 +47,10 @@ def run_invert(a: torch.Tensor, warpgroups: int = 1) -> torch.Tensor:
     cfg.wgs, cfg.threads = warpgroups, tc.THREADS * warpgroups  # what KdaFwdIntraTC(warpgroups=...) sets
     cfg._tile_product = lambda *args: tile(cfg, *args)
     cfg.diagonal_blocks = lambda *args: diagonal(cfg, *args)
+    # the fp32 SIMT lower-left block (two warpgroups, or INV_WGMMA=0); the default one-warpgroup kernel
+    # forms that block on wgmma, which the emulator cannot run: the GPU checks cover it
+    cfg.inv_wgmma = False
+    cfg.lower_left_simt = lambda *args: lower_left(cfg, *args)
     # the kernel's fp32 matrices: row pitch PAD; the upper triangle of A holds zeros (as the combine writes)
     a_mem = torch.zeros(64, tc.PAD, dtype=torch.float32)
     a_mem[:, :64] = a.float()
@@ -62,7 +68,7 @@ def run_invert(a: torch.Tensor, warpgroups: int = 1) -> torch.Tensor:
         s_a = emu.cute.make_tensor(p_a, lay)
         s_t = emu.cute.make_tensor(p_t, lay)
         s_y = emu.cute.make_tensor(p_y, emu.cute.make_layout((2 * tc.SUB, 2 * tc.SUB), stride=(tc.YPAD, 1)))
-        invert(cfg, s_a, s_t, s_y, tidx // 32, tidx % 32, tidx)
+        invert(cfg, s_a, s_t, s_y, tidx // 32, tidx % 32, tidx, None)
 
     emu.launch(kernel, [1, 1, 1], cfg.threads, ptrs)
     emu.Memory.write_back(backs)
