@@ -1,8 +1,9 @@
 """KDA forward, stage 2 of 2: the chunk recurrence on tensor cores (wgmma) fed by TMA.
 
-One work item per (sequence, value head, 64-wide V tile) (v1: one CTA each; v2: persistent CTAs walk them). The state is kept transposed, ``Sᵀ: [64 v, 128 k]``
-fp32, as a wgmma accumulator (64 registers per thread of one warpgroup). Per chunk (scratch written by
-``kda_fwd_intra``, chunk-padded, so every TMA box is a full 64-row tile of one sequence):
+One work item per (sequence, value head, 64-wide V tile): v1 runs one CTA each, v2 persistent CTAs
+walk them. The state is kept transposed, ``Sᵀ: [64 v, 128 k]`` fp32, as a wgmma accumulator (64
+registers per thread of one warpgroup). Per chunk (scratch written by ``kda_fwd_intra``, chunk-padded,
+so every TMA box is a full 64-row tile of one sequence):
 
     v_newᵀ = uᵀ − Sᵀ wᵀ              A = Sᵀ (bf16)        B = w   [64 tok, 128 k]   M64 N64 K128
     oᵀ     = Sᵀ qgᵀ + v_newᵀ Aqkᵀ    A = Sᵀ, B = qg;  A = v_newᵀ (bf16), B = Aqk    M64 N64 K128+64
