@@ -284,7 +284,7 @@ def test_fast_launch_passes_what_the_dsl_path_passes(monkeypatch, state, cu):
 
     lengths = None if cu is None else [b - a for a, b in zip(cu[:-1], cu[1:])]
     inp = make_inputs(B=2, T=130, H=2, HV=4, lengths=lengths, state=state, device="cpu")
-    monkeypatch.setitem(lf._SM_COUNT, "cpu", 132)
+    monkeypatch.setattr(lf, "sm_count", lambda device: 132)
     monkeypatch.setattr(lf, "_current_stream", lambda: "stream")
     monkeypatch.setattr(lf, "_stream_handle", lambda device: "stream")
     monkeypatch.setattr(lf, "_gmem_ptr", lambda t, dtype, align=16: ("ptr", t.data_ptr(), dtype, align))

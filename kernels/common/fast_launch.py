@@ -297,3 +297,18 @@ def stream_capturing() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: Any) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (a ``torch.device``; cached per device index): what
+    grid sizes are chosen against."""
+    import torch
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(idx)
+    if n is None:
+        n = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n

@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from cula.kernels.common.fast_launch import sm_count  # the persistent recurrence's CTA cap
+
 CHUNK = 64
 HEAD_DIM = 128
 # Flipped to True only once the GPU tests in tests/test_kernel_kda_fwd.py pass on the device.
@@ -210,18 +212,6 @@ def _capturing() -> bool:
     from cula.kernels.common.fast_launch import stream_capturing
 
     return stream_capturing()
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def sm_count(device) -> int:
-    """Streaming multiprocessors of ``device`` (cached): the persistent recurrence's CTA cap, one per SM."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    n = _SM_COUNT.get(idx)
-    if n is None:
-        n = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return n
 
 
 _DUMMY: dict[str, torch.Tensor] = {}

@@ -31,6 +31,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import make_ptr
 
+from cula.kernels.common.fast_launch import sm_count
 from cula.kernels.common.wgmma_frag import a_operand_layout as _a_operand_layout
 
 # ---------------------------------------------------------------------------------------------------
@@ -510,16 +511,10 @@ def _fixed_length_aux(B: int, T: int, device) -> tuple[torch.Tensor, torch.Tenso
     return aux
 
 
-_SM_COUNT: dict[str, int] = {}
-
-
 def _choose_v_tile(num_seqs: int, num_v_heads: int, device) -> int:
     """64-wide V tiles (2 CTAs per sequence and head) unless that fills less than half the SMs; then
     32-wide tiles double the CTAs (each re-reads Q and K, mostly from L2)."""
-    key = str(device)
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
-    return 32 if num_seqs * num_v_heads * (HEAD_DIM // 64) < _SM_COUNT[key] // 2 else V_TILE
+    return 32 if num_seqs * num_v_heads * (HEAD_DIM // 64) < sm_count(device) // 2 else V_TILE
 
 
 def _check_inputs(q, k, v, decay, scale, initial_state, cu_seqlens) -> None:
