@@ -283,15 +283,7 @@ class KdaFwdRecur:
         acc_ot = cute.make_rmem_tensor(cN.shape, f32)
 
         # ---- initial state (either layout), as Sᵀ[v, k]
-        for i in cutlass.range_constexpr(cute.size(acc_s)):
-            vv, kk = cS[i]
-            h = f32(0.0)
-            if cutlass.const_expr(self.has_h0):
-                if cutlass.const_expr(self.v_first):
-                    h = mH0[seq, hv, v0 + vv, kk]
-                else:
-                    h = mH0[seq, hv, kk, v0 + vv]
-            acc_s[i] = h
+        self.load_state(acc_s, cS, mH0, seq, hv, v0)
         self.store_bf16(acc_s, tSTs)
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
@@ -365,12 +357,31 @@ class KdaFwdRecur:
                     prod.advance()
 
         if cutlass.const_expr(self.store_ht):
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                vv, kk = cS[i]
+            self.store_state(acc_s, cS, mHT, seq, hv, v0)
+
+    @cute.jit
+    def load_state(self, acc_s: cute.Tensor, cS: cute.Tensor, mH0: cute.Tensor, seq, hv, v0):
+        """Sᵀ[v, k] of this V tile from the initial state (either layout) into the accumulator; zeros
+        without one."""
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            vv, kk = cS[i]
+            h = cutlass.Float32(0.0)
+            if cutlass.const_expr(self.has_h0):
                 if cutlass.const_expr(self.v_first):
-                    mHT[seq, hv, v0 + vv, kk] = acc_s[i]
+                    h = mH0[seq, hv, v0 + vv, kk]
                 else:
-                    mHT[seq, hv, kk, v0 + vv] = acc_s[i]
+                    h = mH0[seq, hv, kk, v0 + vv]
+            acc_s[i] = h
+
+    @cute.jit
+    def store_state(self, acc_s: cute.Tensor, cS: cute.Tensor, mHT: cute.Tensor, seq, hv, v0):
+        """The accumulator Sᵀ[v, k] to the final state (either layout)."""
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            vv, kk = cS[i]
+            if cutlass.const_expr(self.v_first):
+                mHT[seq, hv, v0 + vv, kk] = acc_s[i]
+            else:
+                mHT[seq, hv, kk, v0 + vv] = acc_s[i]
 
     @cute.jit
     def store_bf16(self, acc: cute.Tensor, dst: cute.Tensor):
@@ -621,15 +632,7 @@ class KdaFwdRecur:
                 c_first = mSeq[seq, 0]
                 n_chunks = mSeq[seq, 1]
                 # ---- initial state (either layout), as Sᵀ[v, k]
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    vv, kk = cS[i]
-                    h = f32(0.0)
-                    if cutlass.const_expr(self.has_h0):
-                        if cutlass.const_expr(self.v_first):
-                            h = mH0[seq, hv, v0 + vv, kk]
-                        else:
-                            h = mH0[seq, hv, kk, v0 + vv]
-                    acc_s[i] = h
+                self.load_state(acc_s, cS, mH0, seq, hv, v0)
                 rS_c.store(acc_s.load().to(bf16))
 
                 # tokens of this sequence: its chunks are consecutive, [bos, seq_end)
@@ -690,12 +693,7 @@ class KdaFwdRecur:
                     self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, warp_idx, tidx, bos, seq_end, n_chunks - 1)
 
                 if cutlass.const_expr(self.store_ht):
-                    for i in cutlass.range_constexpr(cute.size(acc_s)):
-                        vv, kk = cS[i]
-                        if cutlass.const_expr(self.v_first):
-                            mHT[seq, hv, v0 + vv, kk] = acc_s[i]
-                        else:
-                            mHT[seq, hv, kk, v0 + vv] = acc_s[i]
+                    self.store_state(acc_s, cS, mHT, seq, hv, v0)
 
     @cute.jit
     def store_o_v2(self, rO, cN, tOs, sO_w, mO, hv, v0, warp, tidx, bos, seq_end, ci):
