@@ -380,10 +380,8 @@ class KdaFwdIntraTC:
         sT = cute.make_tensor(f32_base_kt, cute.make_layout((CHUNK, CHUNK), stride=(PAD, 1)))
         sY = cute.make_tensor(f32_base_qa + INV_SPILL, cute.make_layout((2 * SUB, 2 * SUB), stride=(YPAD, 1)))
         tb_raw = st.sQa.data_ptr() + CHUNK * DK // 2  # 8 KB into sQa: 1024-byte aligned
-        tb_ptr = cute.recast_ptr(tb_raw, swizzle_=tb_layout.inner, dtype=BF16)
-        sTb = cute.make_tensor(tb_ptr, tb_layout.outer)
-        aqk_ptr = cute.recast_ptr(st.sKh.data_ptr() + 2 * 1024, swizzle_=aqk_layout.inner, dtype=BF16)
-        sAqk = cute.make_tensor(aqk_ptr, aqk_layout.outer)
+        sTb = _tile(tb_raw, tb_layout)
+        sAqk = _tile(st.sKh.data_ptr() + 2 * 1024, aqk_layout)
         sWst = st.sX.get_tensor(w_layout.outer, swizzle=w_layout.inner)
         sUst = st.sV.get_tensor(w_layout.outer, swizzle=w_layout.inner)
         # unswizzled tile starts, for the 16-byte vector accesses of the pointwise phases
@@ -575,8 +573,7 @@ class KdaFwdIntraTC:
             a_raws = (ka_raw, qa_raw)
         else:
             ax_raw = ka_raw + cute.assume(wg * (CHUNK * DK), divby=CHUNK * DK)
-            a_tiles = (cute.make_tensor(cute.recast_ptr(ax_raw, swizzle_=a_layout.inner, dtype=BF16),
-                                        a_layout.outer),)
+            a_tiles = (_tile(ax_raw, a_layout),)
             a_raws = (ax_raw,)
         nprod = len(a_tiles)
         thr_d = mma_diag.get_slice(tidw)
@@ -709,10 +706,8 @@ class KdaFwdIntraTC:
             stage_tiles = (sWst, sUst)
         else:
             bx_raw = x_raw + cute.assume(wg * (CHUNK * DK), divby=CHUNK * DK)
-            b_tiles = (cute.make_tensor(cute.recast_ptr(bx_raw, swizzle_=x_layout.inner, dtype=BF16),
-                                        x_layout.outer),)
-            stage_tiles = (cute.make_tensor(cute.recast_ptr(bx_raw, swizzle_=w_layout.inner, dtype=BF16),
-                                            w_layout.outer),)
+            b_tiles = (_tile(bx_raw, x_layout),)
+            stage_tiles = (_tile(bx_raw, w_layout),)
         tAtb = thr_wu.make_fragment_A(thr_wu.partition_A(sTb))
         tB_wu = [thr_wu.make_fragment_B(thr_wu.partition_B(t)) for t in b_tiles]
         acc_wu = [thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK))) for _ in b_tiles]
@@ -837,8 +832,7 @@ class KdaFwdIntraTC:
         mma_k = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, mnmode, F32, (1, 1, 1), (CHUNK, half), rsrc)
         b_layout = sm90_utils.make_smem_layout_b(utils.LayoutEnum.COL_MAJOR, (CHUNK, CHUNK, half), BF16, 1)
         lo_raw = b_raw + CHUNK * half
-        sB = [cute.make_tensor(cute.recast_ptr(r, swizzle_=b_layout.inner, dtype=BF16), b_layout.outer)
-              for r in (b_raw, lo_raw)]
+        sB = [_tile(r, b_layout) for r in (b_raw, lo_raw)]
         thr = mma.get_slice(tidx)
         tB = [thr.make_fragment_B(thr.partition_B(t)) for t in sB]
         acc = thr.make_fragment_C(thr.partition_shape_C((CHUNK, CHUNK)))
@@ -874,8 +868,7 @@ class KdaFwdIntraTC:
                     pair = cute.make_rmem_tensor(cute.make_layout(2), F32)
                     pair[0] = acc[e]
                     pair[1] = acc[e + 1]
-                    hi = pair.load().to(BF16)
-                    lo = (pair.load() - hi.to(F32)).to(BF16)
+                    hi, lo = _hi_lo(pair.load())
                     off = cute.assume(_swizzled_offset(b_layout, (n, i - half, 0)), divby=2)
                     cute.make_tensor(b_raw + off, cute.make_layout(2)).store(hi)
                     cute.make_tensor(lo_raw + off, cute.make_layout(2)).store(lo)
@@ -896,10 +889,10 @@ class KdaFwdIntraTC:
     @cute.jit
     def split_store8(self, vals: cute.Tensor, layout: cute.ComposedLayout, raws: tuple, coord, obf: cute.Tensor):
         """Store 8 fp32 values as bf16 hi = bf16(x) and lo = bf16(x − hi) at ``coord`` of two swizzled tiles."""
-        hi = vals.load().to(BF16)
+        hi, lo = _hi_lo(vals.load())
         obf.store(hi)
         _st8(layout, raws[0], coord, obf)
-        obf.store((vals.load() - hi.to(F32)).to(BF16))
+        obf.store(lo)
         _st8(layout, raws[1], coord, obf)
 
     @cute.jit
@@ -913,8 +906,7 @@ class KdaFwdIntraTC:
                 i, k = cK[e]
                 pair = cute.make_rmem_tensor(cute.make_layout(2), F32)
                 cute.autovec_copy(_vec(pSrc, i * PAD + col0 + k, 2), pair)
-                hi = pair.load().to(BF16)
-                lo = (pair.load() - hi.to(F32)).to(BF16)
+                hi, lo = _hi_lo(pair.load())
                 for h in cutlass.range_constexpr(2):
                     rA_c[0][e + h] = hi[h]
                     rA_c[1][e + h] = lo[h]
@@ -992,6 +984,19 @@ def _gemm_ss(mma: cute.TiledMma, acc: cute.Tensor, t_a: cute.Tensor, t_b: cute.T
     for kb in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
         mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
         cute.gemm(mma, acc, t_a[None, None, kb, 0], t_b[None, None, kb, 0], acc)
+
+
+@cute.jit
+def _tile(raw: cute.Pointer, layout: cute.ComposedLayout) -> cute.Tensor:
+    """The swizzled bf16 tile of ``layout`` at the unswizzled start ``raw``."""
+    return cute.make_tensor(cute.recast_ptr(raw, swizzle_=layout.inner, dtype=BF16), layout.outer)
+
+
+@cute.jit
+def _hi_lo(x):
+    """fp32 values as two bf16 parts: hi = bf16(x), lo = bf16(x − hi) (x − hi is exact in fp32)."""
+    hi = x.to(BF16)
+    return hi, (x - hi.to(F32)).to(BF16)
 
 
 # ------------------------------------------------------------------------------------------------
