@@ -84,6 +84,22 @@ for s in $steps; do
     kda_gpu)  # every kda_fwd check case through pytest (stage 1 either kernel, the persistent stage 2)
         step kda_gpu 280 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "kernel_matches_reference" ;;
+    tc_gpu)  # the tensor-core stage-1 cases of kda_gpu only (the SIMT kernel has not changed since they passed)
+        ids=""
+        for c in tc-T1 tc-T65-gva-vfirst tc-T1000-negeig tc-varlen-zero tc-varlen-33 tc-lb11-strong \
+                tc-fp32-gate-plainbeta; do
+            ids="$ids tests/test_kernel_kda_fwd.py::test_gpu_kernel_matches_reference[$c]"
+        done
+        step tc_gpu 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rf $ids ;;
+    sanitize)  # memcheck of both KDA kernels (tensor-core stage 1, persistent stage 2) on two small cases
+        step kda_memcheck 150 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --report-api-errors no \
+            --print-limit 5 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --no-fla \
+            --cases tc-varlen-zero,tc-T65-gva-vfirst
+        grep -E "ERROR SUMMARY|Invalid" "$OUT/kda_memcheck.log" | head -5 ;;
+    split_worst)  # the time split (stage 1 / stage 2 / host) of the three lowest-ratio suite rows and B2 T16384
+        step kda_split_worst 90 python3 -m cula.kernels.sm90.kda_fwd --check --split worst ;;
+    dbench)  # decode_bench alone: graph / eager times, kernel-entry host time and the public op's (public_op_us)
+        step decode_bench 90 python3 -m cula.kernels.sm90.decode_bench --out "$OUT" ;;
     flush32)  # the flush-eviction GPU test at 32 MiB (the write flush; the read flush was removed)
         step flush_test 40 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_bench_gpu.py -k evicts ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
