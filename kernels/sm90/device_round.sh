@@ -90,7 +90,7 @@ for s in $steps; do
                 tc-fp32-gate-plainbeta; do
             ids="$ids tests/test_kernel_kda_fwd.py::test_gpu_kernel_matches_reference[$c]"
         done
-        step tc_gpu 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rf $ids ;;
+        step tc_gpu ${TC_GPU_T:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -rf $ids ;;
     sanitize)  # memcheck of both KDA kernels (tensor-core stage 1, persistent stage 2) on two small cases
         step kda_memcheck 150 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --report-api-errors no \
             --print-limit 5 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --no-fla \
