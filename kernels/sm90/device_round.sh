@@ -100,21 +100,8 @@ for s in $steps; do
         step kda_split_worst 90 python3 -m cula.kernels.sm90.kda_fwd --check --split worst ;;
     dbench)  # decode_bench alone: graph / eager times, kernel-entry host time and the public op's (public_op_us)
         step decode_bench 90 python3 -m cula.kernels.sm90.decode_bench --out "$OUT" ;;
-    decode_ab)  # KDA decode: launch bounds 0 / 5 / 0 CTAs per SM (A/B/A), then the bare-launch probe
-        for nb in 0 5 0; do
-            mkdir -p "$OUT/mb$nb"
-            step kda_decode_mb$nb 60 env CULA_KDA_DECODE_MIN_BLOCKS=$nb python3 -m cula.kernels.sm90.decode_bench \
-                --variants kda --batches 16,64,128,256 --out "$OUT/mb$nb"
-        done
+    probe)  # the bare cuLaunchKernel probe: equal results, host us per launch against the DSL's launch
         step launch_probe 60 python3 -m cula.kernels.sm90.decode_launch_probe ;;
-    h0pf)  # stage 2's L2 prefetch of the next item's initial state: GPU checks, then A/B/A splits of the worst rows
-        step recur_tests_pf 170 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
-            -k "gpu_recur_v2"
-        step kda_check_pf 110 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-varlen-33,tc-T65-gva-vfirst
-        for a in 0 1 0; do
-            step kda_split_pf$a 50 env CULA_KDA_RECUR_H0_PREFETCH=$a python3 -m cula.kernels.sm90.kda_fwd --check \
-                --split worst
-        done ;;
     flush32)  # the flush-eviction GPU test at 32 MiB (the write flush; the read flush was removed)
         step flush_test 40 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_bench_gpu.py -k evicts ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)

@@ -68,10 +68,6 @@ L2NORM_EPS = 1e-6  # FLA's l2norm: x / sqrt(sum(x^2) + eps)
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above it, as FLA's
 #: Flipped to True once tests/test_kernel_kda_decode.py passed on the H200 (supports() says so until then).
 GPU_VALIDATED = True
-#: CTAs per SM asked of ptxas (``min_blocks_per_mp``); 0 leaves it to ptxas (107 registers: 4 per SM).
-#: ``CULA_KDA_DECODE_MIN_BLOCKS=5`` is the A/B of decode.md: 96 registers, 72 bytes of spills.
-MIN_BLOCKS_PER_SM = int(__import__("os").environ.get("CULA_KDA_DECODE_MIN_BLOCKS", "0"))
-_LAUNCH_BOUNDS = {"min_blocks_per_mp": MIN_BLOCKS_PER_SM} if MIN_BLOCKS_PER_SM else {}
 
 
 class KdaDecode:
@@ -130,8 +126,7 @@ class KdaDecode:
     ):
         self.kernel(
             pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO, pIdx, T, H, HV, scale, lower_bound,
-        ).launch(grid=[self.V // self.v_cta, HV, B], block=[32 * self.warps, 1, 1], stream=stream,
-                 **_LAUNCH_BOUNDS)
+        ).launch(grid=[self.V // self.v_cta, HV, B], block=[32 * self.warps, 1, 1], stream=stream)
 
     # -------------------------------------------------------------------------------------- device
 

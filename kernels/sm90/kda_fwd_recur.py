@@ -34,7 +34,6 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
 from cula.kernels.common.wgmma_frag import a_operand_layout
-from cula.kernels.common.l2_prefetch import prefetch_l2
 
 CHUNK = 64
 DK = 128
@@ -69,10 +68,6 @@ V2_O_ROWS = BV // V2_WARPS  # v rows of the o tile each warp holds in its accumu
 V2_O_PITCH = 24
 V2_O_TILE = CHUNK * V2_O_PITCH  # elements of one warp's staging tile
 V2_O_VECS = CHUNK * V2_O_ROWS // 8 // 32  # 16-byte vectors per lane per chunk (4)
-#: The TMA warp pulls the next item's initial state (64 KB per head) into L2 when it starts an item, so
-#: the math warps' state loads at the next item's start hit L2 instead of waiting on DRAM (varlen batches
-#: chain ~20 short items per CTA). ``CULA_KDA_RECUR_H0_PREFETCH=0`` turns it off for A/B runs.
-V2_H0_PREFETCH = __import__("os").environ.get("CULA_KDA_RECUR_H0_PREFETCH", "1") == "1"
 SMEM_PER_BLOCK = 232448  # H100/H200: the most dynamic shared memory one CTA may have (227 KB)
 
 
@@ -80,9 +75,8 @@ class KdaFwdRecur:
     """Compile-time configuration of the recurrence kernel."""
 
     def __init__(self, has_initial_state: bool, output_final_state: bool, state_v_first: bool,
-                 variant: str | None = None, h0_prefetch: bool | None = None):
+                 variant: str | None = None):
         self.has_h0 = has_initial_state
-        self.h0_prefetch = V2_H0_PREFETCH if h0_prefetch is None else h0_prefetch
         self.store_ht = output_final_state
         self.v_first = state_v_first
         variant = RECUR_VARIANT if variant is None else variant
@@ -582,8 +576,6 @@ class KdaFwdRecur:
                 seq = item // (n_vt * n_hv)
                 c_first = mSeq[seq, 0]
                 n_chunks = mSeq[seq, 1]
-                if cutlass.const_expr(self.has_h0 and self.h0_prefetch):
-                    self.prefetch_next_state(mH0, item + n_ctas, n_items, n_vt, n_hv)
                 gW = cute.local_tile(tW[None, None, hv], (CHUNK, DK), (None, 0))
                 gQG = cute.local_tile(tQG[None, None, hv], (CHUNK, DK), (None, 0))
                 gAqk = cute.local_tile(tAqk[None, None, hv], (CHUNK, CHUNK), (None, 0))
@@ -702,17 +694,6 @@ class KdaFwdRecur:
 
                 if cutlass.const_expr(self.store_ht):
                     self.store_state(acc_s, cS, mHT, seq, hv, v0)
-
-    @cute.jit
-    def prefetch_next_state(self, mH0: cute.Tensor, nxt, n_items, n_vt, n_hv):
-        """The TMA warp's 32 lanes pull item ``nxt``'s whole head state (64 KB, both V tiles: the
-        neighbouring CTA's item is the other half) into L2, 2 KB each. Nothing waits for it. Past the
-        last item it prefetches the last one again (a branch here made the compiler copy the TMA loop
-        three times)."""
-        nxt = cutlass.min(nxt, n_items - 1)
-        head = (nxt // (n_vt * n_hv)) * n_hv + (nxt // n_vt) % n_hv
-        per_lane = DK * DV // 32
-        prefetch_l2(mH0.iterator + head * (DK * DV) + cute.arch.lane_idx() * per_lane, per_lane * 4)
 
     @cute.jit
     def store_o_v2(self, rO, cN, tOs, sO_w, mO, hv, v0, warp, tidx, bos, seq_end, ci):
