@@ -108,6 +108,11 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         # one chunk's code: 8 + 8 + 4 m64n64k16 and 4 m64n128k16, A from registers (no A descriptors)
         assert rep.count("wgmma.mma_async") == 24 and rep.count("m64n128k16") == 4
         assert rep.count("cp.async.bulk.tensor") == 8  # w, qg (two 128-byte boxes each), u, γ, kgᵀ, Aqk
+        from cula.kernels.sm90.kda_fwd_recur import V2_H0_PREFETCH
+
+        # the next item's state tile, 2 lines per thread (none without an initial state)
+        pf = 2 if "no_state" not in target and V2_H0_PREFETCH else 0
+        assert rep.count("prefetch.global.L2") == pf
         # ptxas did not have to serialise any wgmma (registers of one in flight read too early)
         assert "C7517" not in rep.ptxas_log and "serialized" not in rep.ptxas_log
         assert rep.count("bar.sync") == 1  # the mbarrier-init barrier only: no CTA barrier per chunk

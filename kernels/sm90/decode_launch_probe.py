@@ -53,7 +53,32 @@ def dynamic_smem(compiled) -> int:
     return int(m3.group(1))
 
 
+def load_function(compiled) -> int:
+    """Our own module of the compiled kernel's cubin (kept by CUTE_DSL_KEEP_CUBIN) and its CUfunction:
+    the DSL's host function loads its library inside C, so no handle of it reaches Python."""
+    cubin, ptx = compiled.artifacts.CUBIN, compiled.artifacts.PTX
+    if not isinstance(cubin, bytes) or not isinstance(ptx, str):
+        raise RuntimeError("no cubin / PTX kept: set CUTE_DSL_KEEP_CUBIN=1 and CUTE_DSL_KEEP_PTX=1 first")
+    name = re.search(r"\.entry\s+(\w+)", ptx).group(1)
+    lib = ctypes.CDLL("libcuda.so.1")
+    module, fn = ctypes.c_void_p(), ctypes.c_void_p()
+    buf = ctypes.create_string_buffer(cubin, len(cubin))
+    rc = lib.cuModuleLoadData(ctypes.byref(module), buf)
+    if rc:
+        raise RuntimeError(f"cuModuleLoadData: {rc}")
+    rc = lib.cuModuleGetFunction(ctypes.byref(fn), module, name.encode())
+    if rc:
+        raise RuntimeError(f"cuModuleGetFunction({name}): {rc}")
+    return fn.value
+
+
 def main() -> int:
+    import os
+    import tempfile
+
+    # before the first compile: keep the cubin and PTX, and compile afresh (a disk-cache hit keeps none)
+    os.environ.update(CUTE_DSL_KEEP_CUBIN="1", CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DISABLE_FILE_CACHING="1",
+                      CUTE_DSL_DUMP_DIR=tempfile.mkdtemp())
     from cula.kernels.sm90 import decode_bench as db
     from cula.kernels.sm90 import kda_decode as m
 
@@ -64,9 +89,7 @@ def main() -> int:
     launcher = next(lau for lau in m._cache.values() if lau._last_values)
     vals = launcher._last_values
     compiled = launcher.compiled
-    # the packed slots after the arguments: the result cell, then the address of each loaded
-    # kernel's CUfunction handle (what the compiled host function receives)
-    handle = ctypes.c_void_p.from_address(launcher._tail[-1]).value
+    handle = load_function(compiled)
     smem = dynamic_smem(compiled)
     B, T, H, HV = vals[11:15]
     scale, lower_bound, stream = vals[15], vals[16], vals[17]

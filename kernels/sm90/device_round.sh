@@ -102,6 +102,14 @@ for s in $steps; do
         step decode_bench 90 python3 -m cula.kernels.sm90.decode_bench --out "$OUT" ;;
     probe)  # the bare cuLaunchKernel probe: equal results, host us per launch against the DSL's launch
         step launch_probe 60 python3 -m cula.kernels.sm90.decode_launch_probe ;;
+    h0pf)  # stage 2's per-thread L2 prefetch of the next item's state tile: GPU checks, then A/B/A splits
+        step recur_tests_pf 170 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "gpu_recur_v2"
+        step kda_check_pf 110 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-varlen-33,tc-T65-gva-vfirst
+        for a in 0 1 0; do
+            step kda_split_pf$a 50 env CULA_KDA_RECUR_H0_PREFETCH=$a python3 -m cula.kernels.sm90.kda_fwd --check \
+                --split worst
+        done ;;
     flush32)  # the flush-eviction GPU test at 32 MiB (the write flush; the read flush was removed)
         step flush_test 40 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_bench_gpu.py -k evicts ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)

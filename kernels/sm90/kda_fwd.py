@@ -519,9 +519,9 @@ def kda_fwd(
                   state_v_first=bool(state_v_first))
     o_dt = _cute_dtype(v.dtype)
     if "recur" in stages:
-        variant = recur.RECUR_VARIANT
-        _launcher("recur", (tuple(sorted(rflags.items())), o_dt, variant),
-                  lambda: recur.KdaFwdRecur(**rflags, variant=variant), _recur_specs(o_dt))(
+        variant, pf = recur.RECUR_VARIANT, recur.V2_H0_PREFETCH
+        _launcher("recur", (tuple(sorted(rflags.items())), o_dt, variant, pf),
+                  lambda: recur.KdaFwdRecur(**rflags, variant=variant, h0_prefetch=pf), _recur_specs(o_dt))(
             w.data_ptr(), qg.data_ptr(), aqk.data_ptr(), kgt.data_ptr(), u.data_ptr(), gam.data_ptr(),
             chunks.data_ptr(), seqs.data_ptr(), o.data_ptr(), (h0 if h0 is not None else dummy).data_ptr(),
             (ht if ht is not None else dummy).data_ptr(), TT, HV, NC, N, sm_count(dev), stream)

@@ -33,6 +33,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
+from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
 from cula.kernels.common.wgmma_frag import a_operand_layout
 
 CHUNK = 64
@@ -68,6 +69,10 @@ V2_O_ROWS = BV // V2_WARPS  # v rows of the o tile each warp holds in its accumu
 V2_O_PITCH = 24
 V2_O_TILE = CHUNK * V2_O_PITCH  # elements of one warp's staging tile
 V2_O_VECS = CHUNK * V2_O_ROWS // 8 // 32  # 16-byte vectors per lane per chunk (4)
+#: The math warps, once an item's state is in registers, ask L2 for the state tile of the CTA's next
+#: item (32 KB: 2 lines per thread), so that item does not start with a DRAM round trip (varlen
+#: batches chain ~20 short items per CTA). ``CULA_KDA_RECUR_H0_PREFETCH=0`` turns it off for A/B runs.
+V2_H0_PREFETCH = __import__("os").environ.get("CULA_KDA_RECUR_H0_PREFETCH", "1") == "1"
 SMEM_PER_BLOCK = 232448  # H100/H200: the most dynamic shared memory one CTA may have (227 KB)
 
 
@@ -75,8 +80,9 @@ class KdaFwdRecur:
     """Compile-time configuration of the recurrence kernel."""
 
     def __init__(self, has_initial_state: bool, output_final_state: bool, state_v_first: bool,
-                 variant: str | None = None):
+                 variant: str | None = None, h0_prefetch: bool | None = None):
         self.has_h0 = has_initial_state
+        self.h0_prefetch = V2_H0_PREFETCH if h0_prefetch is None else h0_prefetch
         self.store_ht = output_final_state
         self.v_first = state_v_first
         variant = RECUR_VARIANT if variant is None else variant
@@ -634,6 +640,8 @@ class KdaFwdRecur:
                 # ---- initial state (either layout), as Sᵀ[v, k]
                 self.load_state(acc_s, cS, mH0, seq, hv, v0)
                 rS_c.store(acc_s.load().to(bf16))
+                if cutlass.const_expr(self.has_h0 and self.h0_prefetch):
+                    self.prefetch_next_state(mH0, item + n_ctas, n_items, n_vt, n_hv, tidx)
 
                 # tokens of this sequence: its chunks are consecutive, [bos, seq_end)
                 bos = cutlass.Int32(0)
@@ -694,6 +702,23 @@ class KdaFwdRecur:
 
                 if cutlass.const_expr(self.store_ht):
                     self.store_state(acc_s, cS, mHT, seq, hv, v0)
+
+    @cute.jit
+    def prefetch_next_state(self, mH0: cute.Tensor, nxt, n_items, n_vt, n_hv, tidx):
+        """Ask L2 for item ``nxt``'s state tile (this CTA's next item; past the last one, the last
+        again): its V tile of the head's [128, 128] fp32 state, 256 lines of 128 bytes, 2 per thread.
+        K-first: row k = tidx, its 256 bytes of the tile's 64 values; V-first: 32 KB in one piece."""
+        nxt = cutlass.min(nxt, n_items - 1)
+        head = (nxt // (n_vt * n_hv)) * n_hv + (nxt // n_vt) % n_hv
+        v0 = (nxt % n_vt) * BV
+        per_line = LINE_BYTES // 4
+        first = head * (DK * DV) + tidx * (2 * per_line)  # V-first: rows v0.. are contiguous
+        if cutlass.const_expr(not self.v_first):
+            first = head * (DK * DV) + tidx * DV + v0
+        else:
+            first = first + v0 * DK
+        prefetch_line_l2(mH0.iterator + first)
+        prefetch_line_l2(mH0.iterator + first + per_line)
 
     @cute.jit
     def store_o_v2(self, rO, cN, tOs, sO_w, mO, hv, v0, warp, tidx, bos, seq_end, ci):
