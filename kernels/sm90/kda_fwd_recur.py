@@ -73,6 +73,8 @@ V2_O_VECS = CHUNK * V2_O_ROWS // 8 // 32  # 16-byte vectors per lane per chunk (
 #: item (32 KB: 2 lines per thread), so that item does not start with a DRAM round trip (varlen
 #: batches chain ~20 short items per CTA). ``CULA_KDA_RECUR_H0_PREFETCH=0`` turns it off for A/B runs.
 V2_H0_PREFETCH = __import__("os").environ.get("CULA_KDA_RECUR_H0_PREFETCH", "1") == "1"
+#: ...for items of at most this many chunks (~0.7 µs each): L2 keeps a line ~10 µs under the stream.
+V2_H0_PREFETCH_MAX_CHUNKS = 16
 SMEM_PER_BLOCK = 232448  # H100/H200: the most dynamic shared memory one CTA may have (227 KB)
 
 
@@ -641,7 +643,10 @@ class KdaFwdRecur:
                 self.load_state(acc_s, cS, mH0, seq, hv, v0)
                 rS_c.store(acc_s.load().to(bf16))
                 if cutlass.const_expr(self.has_h0 and self.h0_prefetch):
-                    self.prefetch_next_state(mH0, item + n_ctas, n_items, n_vt, n_hv, tidx)
+                    # only when the next item starts soon: a line asked for a long item earlier is
+                    # evicted by the scratch stream before it is read (B2 T16384: stage 2 4% slower)
+                    if n_chunks <= V2_H0_PREFETCH_MAX_CHUNKS and item + n_ctas < n_items:
+                        self.prefetch_next_state(mH0, item + n_ctas, n_vt, n_hv, tidx)
 
                 # tokens of this sequence: its chunks are consecutive, [bos, seq_end)
                 bos = cutlass.Int32(0)
@@ -704,11 +709,10 @@ class KdaFwdRecur:
                     self.store_state(acc_s, cS, mHT, seq, hv, v0)
 
     @cute.jit
-    def prefetch_next_state(self, mH0: cute.Tensor, nxt, n_items, n_vt, n_hv, tidx):
-        """Ask L2 for item ``nxt``'s state tile (this CTA's next item; past the last one, the last
-        again): its V tile of the head's [128, 128] fp32 state, 256 lines of 128 bytes, 2 per thread.
-        K-first: row k = tidx, its 256 bytes of the tile's 64 values; V-first: 32 KB in one piece."""
-        nxt = cutlass.min(nxt, n_items - 1)
+    def prefetch_next_state(self, mH0: cute.Tensor, nxt, n_vt, n_hv, tidx):
+        """Ask L2 for item ``nxt``'s state tile (this CTA's next item): its V tile of the head's
+        [128, 128] fp32 state, 256 lines of 128 bytes, 2 per thread. K-first: row k = tidx, its 256
+        bytes of the tile's 64 values; V-first: 32 KB in one piece."""
         head = (nxt // (n_vt * n_hv)) * n_hv + (nxt // n_vt) % n_hv
         v0 = (nxt % n_vt) * BV
         per_line = LINE_BYTES // 4
