@@ -9,8 +9,8 @@ It compiles the KDA decode kernel for B1 H32 (serving flags, plain initial state
    final state are bitwise those of the DSL's launch, and
 2. times host microseconds per launch of both (200 queued launches, best of 3), and the public op.
 
-If the bare launch is several microseconds cheaper, the decode runners can launch that way (with
-this equality check done once per compiled kernel); if not, the DSL's launch stays.
+Measured on the H200 host (session 8): bare 7.74 µs against 9.06 through cula's launcher, outputs
+bitwise equal. The driver's launch is most of the cost there, so the DSL's launch stays (decode.md).
 """
 
 from __future__ import annotations
