@@ -117,6 +117,14 @@ for s in $steps; do
             step kda_split_pf$a 50 env CULA_KDA_RECUR_H0_PREFETCH=$a python3 -m cula.kernels.sm90.kda_fwd --check \
                 --split worst
         done ;;
+    rows2)  # KDA decode with two batch rows per CTA (CULA_KDA_DECODE_ROWS=2, CPU-checked only): tests, A/B/A bench
+        step rows2_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_decode.py \
+            -k "two_rows or graph_replay or matches_fla"
+        for r in 1 2 1; do
+            mkdir -p "$OUT/rows$r"
+            step kda_decode_rows$r 60 env CULA_KDA_DECODE_ROWS=$r python3 -m cula.kernels.sm90.decode_bench \
+                --variants kda --batches 16,64,128,256 --heads 32,64 --out "$OUT/rows$r"
+        done ;;
     flush32)  # the flush-eviction GPU test at 32 MiB (the write flush; the read flush was removed)
         step flush_test 40 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_bench_gpu.py -k evicts ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)

@@ -68,6 +68,9 @@ L2NORM_EPS = 1e-6  # FLA's l2norm: x / sqrt(sum(x^2) + eps)
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above it, as FLA's
 #: Flipped to True once tests/test_kernel_kda_decode.py passed on the H200 (supports() says so until then).
 GPU_VALIDATED = True
+#: Batch rows per CTA where a CTA has 4 warps: 1, or 2 (``KdaDecode.run_two_rows``: both rows' state loads
+#: first). ``CULA_KDA_DECODE_ROWS=2`` selects it for A/B runs; not measured on a GPU yet.
+BATCH_ROWS = int(__import__("os").environ.get("CULA_KDA_DECODE_ROWS", "1"))
 
 
 class KdaDecode:
@@ -90,8 +93,9 @@ class KdaDecode:
         inplace: bool,
         has_indices: bool,
         warps: int = 4,
+        batch_rows: int = 1,
     ):
-        assert K in HEAD_DIMS_K and V % V_ALIGN == 0 and warps in WARP_CHOICES
+        assert K in HEAD_DIMS_K and V % V_ALIGN == 0 and warps in WARP_CHOICES and batch_rows in (1, 2)
         self.K, self.V = K, V
         self.v_first = state_v_first
         self.use_qk_l2norm = use_qk_l2norm
@@ -110,7 +114,9 @@ class KdaDecode:
         self.chunks = K // 64  # V-first: 4-wide K vectors per thread and V row
         self.warps = warps
         self.v_cta = V_PER_WARP * warps  # values of V per CTA
-        self.slots = -(-MAX_T // warps)  # prologue: tokens per warp (token t goes to warp t % warps)
+        self.batch_rows = batch_rows  # batch rows per CTA (2: both rows' state loads go out first)
+        # prologue: jobs (tokens of the CTA's rows) per warp (job j goes to warp j % warps)
+        self.slots = -(-MAX_T * batch_rows // warps)
 
     # ---------------------------------------------------------------------------------------- host
 
@@ -125,8 +131,9 @@ class KdaDecode:
         stream,
     ):
         self.kernel(
-            pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO, pIdx, T, H, HV, scale, lower_bound,
-        ).launch(grid=[self.V // self.v_cta, HV, B], block=[32 * self.warps, 1, 1], stream=stream)
+            pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO, pIdx, T, H, HV, scale, lower_bound, B,
+        ).launch(grid=[self.V // self.v_cta, HV, (B + self.batch_rows - 1) // self.batch_rows],
+                 block=[32 * self.warps, 1, 1], stream=stream)
 
     # -------------------------------------------------------------------------------------- device
 
@@ -137,18 +144,22 @@ class KdaDecode:
         pALog: cute.Pointer, pDtBias: cute.Pointer, pH0: cute.Pointer, pHt: cute.Pointer,
         pO: cute.Pointer, pIdx: cute.Pointer,
         T: cutlass.Int32, H: cutlass.Int32, HV: cutlass.Int32,
-        scale: cutlass.Float32, lower_bound: cutlass.Float32,
+        scale: cutlass.Float32, lower_bound: cutlass.Float32, B: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         vs, hv, b = cute.arch.block_idx()
-        slot = cutlass.Int64(b)
-        if cutlass.const_expr(self.has_indices):
-            slot = cutlass.Int64(load1(pIdx, b))
-        if slot >= 0:
-            self.run_row(pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO,
-                         tidx, vs, hv, b, slot, T, H, HV, scale, lower_bound)
+        if cutlass.const_expr(self.batch_rows == 2):
+            self.run_two_rows(pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO, pIdx,
+                              tidx, vs, hv, 2 * b, B, T, H, HV, scale, lower_bound)
         else:
-            self.skip_row(pHt, pO, tidx, vs, hv, b, T, HV)
+            slot = cutlass.Int64(b)
+            if cutlass.const_expr(self.has_indices):
+                slot = cutlass.Int64(load1(pIdx, b))
+            if slot >= 0:
+                self.run_row(pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO,
+                             tidx, vs, hv, b, slot, T, H, HV, scale, lower_bound)
+            else:
+                self.skip_row(pHt, pO, tidx, vs, hv, b, T, HV)
 
     def lane_layout(self, tidx):
         """(warp, lane, la, lb, first V index within the CTA) of this thread's slice of the state tile."""
@@ -181,18 +192,66 @@ class KdaDecode:
     @cute.jit
     def run_row(self, pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO,
                 tidx, vs, hv, b, slot, T, H, HV, scale, lower_bound):
-        f32 = cutlass.Float32
-        K, V = self.K, self.V
         warp, lane, la, lb, v0w = self.lane_layout(tidx)
-        v_cta = vs * self.v_cta
-        v0 = v_cta + v0w
-        na, nb = self.tile_shape()
-        hq = hv // (HV // H)
-
+        v0 = vs * self.v_cta + v0w
         # ---- 1. issue the state loads first: their latency covers the prologue below
+        state = self.load_state(pH0, slot, hv, HV, la, lb, v0)
+        # ---- 2. prologue: per-token vectors in shared memory, once per CTA
+        one = cutlass.Int32(1)
+        smem = self.prologue(pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, b, one, one, one, T, H,
+                             HV, scale, lower_bound)
+        cute.arch.sync_threads()
+        # ---- 3. the tokens, in order, on the register-resident state; 4. the state back
+        self.finish_row(state, smem, pHt, pO, 0, la, lb, v0w, v0, hv, b, slot, T, HV)
+
+    @cute.jit
+    def run_two_rows(self, pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO, pIdx,
+                     tidx, vs, hv, b0, B, T, H, HV, scale, lower_bound):
+        """Batch rows b0 and b0 + 1 (absent past B) of one (V slice, head): both rows' state loads go out
+        first, so the second row's bytes are in flight through the first row's prologue and tokens, and
+        the first row's stores through the second row's tokens (6 rows in flight per SM at 3 CTAs
+        instead of 4 at 4). A skipped row (negative slot) takes the skip path after the barrier."""
+        warp, lane, la, lb, v0w = self.lane_layout(tidx)
+        v0 = vs * self.v_cta + v0w
+        b1 = b0 + 1
+        n_rows = cutlass.min(B - b0, 2)
+        slot0 = cutlass.Int64(b0)
+        slot1 = cutlass.Int64(-1)
+        if cutlass.const_expr(self.has_indices):
+            slot0 = cutlass.Int64(load1(pIdx, b0))
+        if n_rows > 1:
+            slot1 = cutlass.Int64(b1)
+            if cutlass.const_expr(self.has_indices):
+                slot1 = cutlass.Int64(load1(pIdx, b1))
+        live0 = cutlass.Int32(0)
+        live1 = cutlass.Int32(0)
+        if slot0 >= 0:
+            live0 = cutlass.Int32(1)
+        if slot1 >= 0:
+            live1 = cutlass.Int32(1)
+        # (a skipped row's loads read its clamped slot 0's head: in bounds, never used)
+        state0 = self.load_state(pH0, cutlass.max(slot0, cutlass.Int64(0)), hv, HV, la, lb, v0)
+        state1 = self.load_state(pH0, cutlass.max(slot1, cutlass.Int64(0)), hv, HV, la, lb, v0)
+        smem = self.prologue(pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, b0, n_rows,
+                             live0, live1, T, H, HV, scale, lower_bound)
+        cute.arch.sync_threads()
+        if live0 != 0:
+            self.finish_row(state0, smem, pHt, pO, 0, la, lb, v0w, v0, hv, b0, slot0, T, HV)
+        else:
+            self.skip_row(pHt, pO, tidx, vs, hv, b0, T, HV)
+        if n_rows > 1:
+            if live1 != 0:
+                self.finish_row(state1, smem, pHt, pO, MAX_T, la, lb, v0w, v0, hv, b1, slot1, T, HV)
+            else:
+                self.skip_row(pHt, pO, tidx, vs, hv, b1, T, HV)
+
+    @cute.jit
+    def load_state(self, pH0, slot, hv, HV, la, lb, v0):
+        """The thread's slice of pool slot ``slot``'s state, as 16-byte loads (zeros without h0)."""
+        f32 = cutlass.Float32
+        na, nb = self.tile_shape()
         state = cute.make_rmem_tensor(cute.make_layout((4, nb, na), stride=(1, 4, 4 * nb)), f32)
-        kv = K * V
-        head_in = (slot * HV + hv) * kv
+        head_in = (slot * HV + hv) * (self.K * self.V)
         if cutlass.const_expr(self.has_h0):
             for m in cutlass.range_constexpr(na):
                 for c in cutlass.range_constexpr(nb):
@@ -201,14 +260,26 @@ class KdaDecode:
         else:
             for e in cutlass.range_constexpr(4 * nb * na):
                 state[e] = f32(0.0)
+        return state
 
-        # ---- 2. prologue: per-token vectors in shared memory, once per CTA
+    @cute.jit
+    def prologue(self, pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, b0, n_rows, live0, live1,
+                 T, H, HV, scale, lower_bound):
+        """Per-token vectors in shared memory, once per CTA: the gate's decay factors, l2-normalised and
+        scaled q, normalised k, q.k, the beta sigmoid and the CTA's values of v. Job ``jid`` (token t of
+        batch row b0 + r, smem row r * MAX_T + t) goes to warp ``jid % warps``; with one row per CTA
+        (``n_rows``, ``live0``, ``live1`` unused) job t is token t. Returns (sQ, sK, sD, sV, sS)."""
+        f32 = cutlass.Float32
+        K, V = self.K, self.V
+        v_cta = vs * self.v_cta
+        hq = hv // (HV // H)
+        n_tok = MAX_T * self.batch_rows
         smem = cutlass.utils.SmemAllocator()
-        sQ = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
-        sK = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
-        sD = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
-        sV = smem.allocate_tensor(f32, cute.make_layout((MAX_T, self.v_cta), stride=(self.v_cta, 1)), 16)
-        sS = smem.allocate_tensor(f32, cute.make_layout((MAX_T, 2), stride=(2, 1)), 16)  # beta, q.k
+        sQ = smem.allocate_tensor(f32, cute.make_layout((n_tok, K), stride=(K, 1)), 16)
+        sK = smem.allocate_tensor(f32, cute.make_layout((n_tok, K), stride=(K, 1)), 16)
+        sD = smem.allocate_tensor(f32, cute.make_layout((n_tok, K), stride=(K, 1)), 16)
+        sV = smem.allocate_tensor(f32, cute.make_layout((n_tok, self.v_cta), stride=(self.v_cta, 1)), 16)
+        sS = smem.allocate_tensor(f32, cute.make_layout((n_tok, 2), stride=(2, 1)), 16)  # beta, q.k
 
         kpl = self.kpl
         kk = lane * kpl
@@ -222,8 +293,8 @@ class KdaDecode:
             for j in cutlass.range_constexpr(kpl):
                 bias[j] = load1(pDtBias, hv * K + kk + j).to(f32)
 
-        # all loads of this warp's tokens first (token t -> warp t % warps, slot t // warps), so their
-        # latencies overlap; then the math, whose warp reductions wait on them
+        # all loads of this warp's jobs first, so their latencies overlap; then the math, whose warp
+        # reductions wait on them
         nt = self.slots
         qr = cute.make_rmem_tensor(cute.make_layout((kpl, nt), stride=(1, kpl)), pQ.dtype)
         kr = cute.make_rmem_tensor(cute.make_layout((kpl, nt), stride=(1, kpl)), pK.dtype)
@@ -231,8 +302,8 @@ class KdaDecode:
         vr = cute.make_rmem_tensor(cute.make_layout(nt), pV.dtype)
         br = cute.make_rmem_tensor(cute.make_layout(nt), pBeta.dtype)
         for j in cutlass.range_constexpr(nt):
-            t = warp + j * self.warps
-            if t < T:
+            b, t, ts, ok = self.job(warp + j * self.warps, b0, n_rows, live0, live1, T)
+            if ok != 0:
                 row_q = (cutlass.Int64(b) * T + t) * H + hq
                 row_v = (cutlass.Int64(b) * T + t) * HV + hv
                 cute.autovec_copy(vec(pQ, row_q * K + kk, kpl, kpl), qr[None, j])
@@ -243,8 +314,8 @@ class KdaDecode:
                 if lane == 0:
                     br[j] = load1(pBeta, row_v)
         for j in cutlass.range_constexpr(nt):
-            t = warp + j * self.warps
-            if t < T:
+            b, t, ts, ok = self.job(warp + j * self.warps, b0, n_rows, live0, live1, T)
+            if ok != 0:
                 qq = f32(0.0)
                 kk2 = f32(0.0)
                 qk = f32(0.0)
@@ -262,28 +333,47 @@ class KdaDecode:
                     rk = cute.math.rsqrt(warp_sum(kk2) + f32(L2NORM_EPS))
                 qs = rq * scale
                 for e in cutlass.range_constexpr(kpl):
-                    sQ[t, kk + e] = qr[e, j].to(f32) * qs
-                    sK[t, kk + e] = kr[e, j].to(f32) * rk
-                    sD[t, kk + e] = cute.math.exp(self.gate(gr[e, j].to(f32) + bias[e], a_exp, lower_bound))
+                    sQ[ts, kk + e] = qr[e, j].to(f32) * qs
+                    sK[ts, kk + e] = kr[e, j].to(f32) * rk
+                    sD[ts, kk + e] = cute.math.exp(self.gate(gr[e, j].to(f32) + bias[e], a_exp, lower_bound))
                 if lane < self.v_cta:
-                    sV[t, lane] = vr[j].to(f32)
+                    sV[ts, lane] = vr[j].to(f32)
                 if lane == 0:
                     beta = br[j].to(f32)
                     if cutlass.const_expr(self.use_beta_sigmoid):
                         beta = f32(self.beta_mult) / (f32(1.0) + cute.math.exp(-beta))
-                    sS[t, 0] = beta
-                    sS[t, 1] = qk * qs * rk
-        cute.arch.sync_threads()
+                    sS[ts, 0] = beta
+                    sS[ts, 1] = qk * qs * rk
+        return sQ, sK, sD, sV, sS
 
-        # ---- 3. the tokens, in order, on the register-resident state
+    @cute.jit
+    def job(self, jid, b0, n_rows, live0, live1, T):
+        """(batch row, token, smem row, whether to run) of prologue job ``jid`` (warp-uniform)."""
+        if cutlass.const_expr(self.batch_rows == 1):
+            ok = cutlass.Int32(0)
+            if jid < T:
+                ok = cutlass.Int32(1)
+            return b0, jid, jid, ok
+        r = jid // T
+        t = jid - r * T
+        ok = cutlass.Int32(0)
+        if jid < n_rows * T:
+            ok = live0 + r * (live1 - live0)  # the row's own liveness (r is 0 or 1 here)
+        return b0 + r, t, r * MAX_T + t, ok
+
+    @cute.jit
+    def finish_row(self, state, smem, pHt, pO, base: cutlass.Constexpr, la, lb, v0w, v0, hv, b, slot, T, HV):
+        """The tokens of batch row ``b`` (smem rows ``base`` + t), in order, on the register-resident
+        state, then the state back (the pool slot in place, or the out-of-place final state)."""
+        sQ, sK, sD, sV, sS = smem
+        na, nb = self.tile_shape()
         for t in cutlass.range(T, unroll=1):
-            self.token_step(state, sQ, sK, sD, sV, sS, pO, t, la, lb, v0w, v0, b, T, HV, hv)
-
-        # ---- 4. write the state back (the pool slot in place, or the out-of-place final state)
+            self.token_step(state, sQ, sK, sD, sV, sS, pO, t, base + t, la, lb, v0w, v0, b, T, HV, hv)
         if cutlass.const_expr(self.store_state):
+            kv = self.K * self.V
             head_out = (cutlass.Int64(b) * HV + hv) * kv
             if cutlass.const_expr(self.inplace):
-                head_out = head_in
+                head_out = (slot * HV + hv) * kv
             for m in cutlass.range_constexpr(na):
                 for c in cutlass.range_constexpr(nb):
                     cute.autovec_copy(state[None, c, m],
@@ -305,15 +395,16 @@ class KdaDecode:
         return out
 
     @cute.jit
-    def token_step(self, state, sQ, sK, sD, sV, sS, pO, t, la, lb, v0w, v0, b, T, HV, hv):
-        """One token on the thread's state slice; writes its 4 outputs from one lane per group."""
+    def token_step(self, state, sQ, sK, sD, sV, sS, pO, t, ts, la, lb, v0w, v0, b, T, HV, hv):
+        """Token ``t`` (smem row ``ts``) on the thread's state slice; writes its 4 outputs from one lane per
+        group."""
         f32 = cutlass.Float32
-        K, V = self.K, self.V
+        K = self.K
         na, nb = self.tile_shape()
-        beta = sS[t, 0]
-        qk = sS[t, 1]
+        beta = sS[ts, 0]
+        qk = sS[ts, 1]
         vv = cute.make_rmem_tensor(cute.make_layout(4), f32)
-        cute.autovec_copy(vec(sV.iterator, t * self.v_cta + v0w, 4, 4), vv)
+        cute.autovec_copy(vec(sV.iterator, ts * self.v_cta + v0w, 4, 4), vv)
         red = cute.make_rmem_tensor(cute.make_layout(8), f32)  # k^T S' (4), q^T S' (4)
         for e in cutlass.range_constexpr(8):
             red[e] = f32(0.0)
@@ -323,7 +414,7 @@ class KdaDecode:
             kq = cute.make_rmem_tensor(cute.make_layout((4, nb), stride=(1, 4)), f32)
             qq = cute.make_rmem_tensor(cute.make_layout((4, nb), stride=(1, 4)), f32)
             for c in cutlass.range_constexpr(nb):
-                off = t * K + c * 64 + lb * 4
+                off = ts * K + c * 64 + lb * 4
                 cute.autovec_copy(vec(sD.iterator, off, 4, 4), dk[None, c])
                 cute.autovec_copy(vec(sK.iterator, off, 4, 4), kq[None, c])
                 cute.autovec_copy(vec(sQ.iterator, off, 4, 4), qq[None, c])
@@ -350,7 +441,7 @@ class KdaDecode:
             dk = cute.make_rmem_tensor(cute.make_layout(rows), f32)
             kq = cute.make_rmem_tensor(cute.make_layout(rows), f32)
             qq = cute.make_rmem_tensor(cute.make_layout(rows), f32)
-            off = t * K + la * rows
+            off = ts * K + la * rows
             cute.autovec_copy(vec(sD.iterator, off, rows, 4), dk)
             cute.autovec_copy(vec(sK.iterator, off, rows, 4), kq)
             cute.autovec_copy(vec(sQ.iterator, off, rows, 4), qq)
@@ -589,6 +680,7 @@ def runner(
     config = (K, V, bool(state_v_first), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), has_a,
               has_bias, use_lb, bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
               has_h0, store, bool(inplace), has_idx, pick_warps(B, HV, V))
+    config += (2 if BATCH_ROWS == 2 and config[-1] == 4 and B >= 2 else 1,)
     dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, A_log.dtype if has_a else torch.float32,
               dt_bias.dtype if has_bias else torch.float32, v.dtype, idx_dtype)
     statics = (B, T, H, HV, float(K ** -0.5 if scale is None else scale), float(lower_bound) if use_lb else 0.0)
@@ -626,6 +718,8 @@ def compile_targets():
         "k256": build(K=256, V=256),
         "one_warp_v_first": build(state_v_first=True, warps=1),
         "two_warps": build(warps=2),
+        "two_rows": build(batch_rows=2),
+        "two_rows_v_first": build(state_v_first=True, batch_rows=2),
     }
 
 
