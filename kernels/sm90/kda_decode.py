@@ -130,10 +130,14 @@ class KdaDecode:
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
         stream,
     ):
-        self.kernel(
-            pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO, pIdx, T, H, HV, scale, lower_bound, B,
-        ).launch(grid=[self.V // self.v_cta, HV, (B + self.batch_rows - 1) // self.batch_rows],
-                 block=[32 * self.warps, 1, 1], stream=stream)
+        if cutlass.const_expr(self.batch_rows == 2):
+            self.kernel_two_rows(
+                pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO, pIdx, T, H, HV, scale, lower_bound, B,
+            ).launch(grid=[self.V // self.v_cta, HV, (B + 1) // 2], block=[32 * self.warps, 1, 1], stream=stream)
+        else:
+            self.kernel(
+                pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO, pIdx, T, H, HV, scale, lower_bound,
+            ).launch(grid=[self.V // self.v_cta, HV, B], block=[32 * self.warps, 1, 1], stream=stream)
 
     # -------------------------------------------------------------------------------------- device
 
@@ -144,22 +148,32 @@ class KdaDecode:
         pALog: cute.Pointer, pDtBias: cute.Pointer, pH0: cute.Pointer, pHt: cute.Pointer,
         pO: cute.Pointer, pIdx: cute.Pointer,
         T: cutlass.Int32, H: cutlass.Int32, HV: cutlass.Int32,
-        scale: cutlass.Float32, lower_bound: cutlass.Float32, B: cutlass.Int32,
+        scale: cutlass.Float32, lower_bound: cutlass.Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         vs, hv, b = cute.arch.block_idx()
-        if cutlass.const_expr(self.batch_rows == 2):
-            self.run_two_rows(pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO, pIdx,
-                              tidx, vs, hv, 2 * b, B, T, H, HV, scale, lower_bound)
+        slot = cutlass.Int64(b)
+        if cutlass.const_expr(self.has_indices):
+            slot = cutlass.Int64(load1(pIdx, b))
+        if slot >= 0:
+            self.run_row(pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO,
+                         tidx, vs, hv, b, slot, T, H, HV, scale, lower_bound)
         else:
-            slot = cutlass.Int64(b)
-            if cutlass.const_expr(self.has_indices):
-                slot = cutlass.Int64(load1(pIdx, b))
-            if slot >= 0:
-                self.run_row(pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO,
-                             tidx, vs, hv, b, slot, T, H, HV, scale, lower_bound)
-            else:
-                self.skip_row(pHt, pO, tidx, vs, hv, b, T, HV)
+            self.skip_row(pHt, pO, tidx, vs, hv, b, T, HV)
+
+    @cute.kernel
+    def kernel_two_rows(
+        self,
+        pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pG: cute.Pointer, pBeta: cute.Pointer,
+        pALog: cute.Pointer, pDtBias: cute.Pointer, pH0: cute.Pointer, pHt: cute.Pointer,
+        pO: cute.Pointer, pIdx: cute.Pointer,
+        T: cutlass.Int32, H: cutlass.Int32, HV: cutlass.Int32,
+        scale: cutlass.Float32, lower_bound: cutlass.Float32, B: cutlass.Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        vs, hv, bz = cute.arch.block_idx()
+        self.run_two_rows(pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO, pIdx,
+                          tidx, vs, hv, 2 * bz, B, T, H, HV, scale, lower_bound)
 
     def lane_layout(self, tidx):
         """(warp, lane, la, lb, first V index within the CTA) of this thread's slice of the state tile."""
@@ -194,12 +208,13 @@ class KdaDecode:
                 tidx, vs, hv, b, slot, T, H, HV, scale, lower_bound):
         warp, lane, la, lb, v0w = self.lane_layout(tidx)
         v0 = vs * self.v_cta + v0w
+        hq = hv // (HV // H)
         # ---- 1. issue the state loads first: their latency covers the prologue below
         state = self.load_state(pH0, slot, hv, HV, la, lb, v0)
         # ---- 2. prologue: per-token vectors in shared memory, once per CTA
         one = cutlass.Int32(1)
-        smem = self.prologue(pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, b, one, one, one, T, H,
-                             HV, scale, lower_bound)
+        smem = self.prologue(pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b, one, one, one, T,
+                             H, HV, scale, lower_bound)
         cute.arch.sync_threads()
         # ---- 3. the tokens, in order, on the register-resident state; 4. the state back
         self.finish_row(state, smem, pHt, pO, 0, la, lb, v0w, v0, hv, b, slot, T, HV)
@@ -213,6 +228,7 @@ class KdaDecode:
         instead of 4 at 4). A skipped row (negative slot) takes the skip path after the barrier."""
         warp, lane, la, lb, v0w = self.lane_layout(tidx)
         v0 = vs * self.v_cta + v0w
+        hq = hv // (HV // H)
         b1 = b0 + 1
         n_rows = cutlass.min(B - b0, 2)
         slot0 = cutlass.Int64(b0)
@@ -232,7 +248,7 @@ class KdaDecode:
         # (a skipped row's loads read its clamped slot 0's head: in bounds, never used)
         state0 = self.load_state(pH0, cutlass.max(slot0, cutlass.Int64(0)), hv, HV, la, lb, v0)
         state1 = self.load_state(pH0, cutlass.max(slot1, cutlass.Int64(0)), hv, HV, la, lb, v0)
-        smem = self.prologue(pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, b0, n_rows,
+        smem = self.prologue(pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b0, n_rows,
                              live0, live1, T, H, HV, scale, lower_bound)
         cute.arch.sync_threads()
         if live0 != 0:
@@ -263,7 +279,7 @@ class KdaDecode:
         return state
 
     @cute.jit
-    def prologue(self, pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, b0, n_rows, live0, live1,
+    def prologue(self, pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b0, n_rows, live0, live1,
                  T, H, HV, scale, lower_bound):
         """Per-token vectors in shared memory, once per CTA: the gate's decay factors, l2-normalised and
         scaled q, normalised k, q.k, the beta sigmoid and the CTA's values of v. Job ``jid`` (token t of
@@ -272,7 +288,6 @@ class KdaDecode:
         f32 = cutlass.Float32
         K, V = self.K, self.V
         v_cta = vs * self.v_cta
-        hq = hv // (HV // H)
         n_tok = MAX_T * self.batch_rows
         smem = cutlass.utils.SmemAllocator()
         sQ = smem.allocate_tensor(f32, cute.make_layout((n_tok, K), stride=(K, 1)), 16)
