@@ -37,7 +37,8 @@ def run_emulated(monkeypatch, module, inputs):
 
     def launcher(key):
         config, dtypes = key
-        kernel = emu.emulated_instance(kernel_cls(*config), HELPERS)
+        names = ("kernel", "kernel_two_rows") if module is kd else "kernel"
+        kernel = emu.emulated_instance(kernel_cls(*config), HELPERS, names)
         specs = module._specs(dtypes)
 
         def launch(*values):
