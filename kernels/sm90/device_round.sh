@@ -125,6 +125,9 @@ for s in $steps; do
             step kda_decode_rows$r 60 env CULA_KDA_DECODE_ROWS=$r python3 -m cula.kernels.sm90.decode_bench \
                 --variants kda --batches 16,64,128,256 --heads 32,64 --out "$OUT/rows$r"
         done ;;
+    eager_probe)  # why Lightning decode's eager rows sit ~20 µs above its graph rows (KDA's do not)
+        step eager_probe_l 60 python3 -m cula.bench.eager_probe --variant lightning --B 1 --H 8
+        step eager_probe_k 60 python3 -m cula.bench.eager_probe --variant kda --B 1 --H 8 ;;
     flush32)  # the flush-eviction GPU test at 32 MiB (the write flush; the read flush was removed)
         step flush_test 40 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_bench_gpu.py -k evicts ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
