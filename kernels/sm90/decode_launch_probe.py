@@ -17,22 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import re
-import time
 
 import torch
 
 
-def _host_us(fn, n: int = 200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / n)
-        torch.cuda.synchronize()
-    return best * 1e6
+def _host_us(fn) -> float:
+    from cula.kernels.sm90.decode_bench import host_time
+
+    return host_time(fn) * 1e6
 
 
 def dynamic_smem(compiled) -> int:

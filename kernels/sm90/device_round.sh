@@ -110,13 +110,6 @@ for s in $steps; do
             step kda_split_pf$a 50 env CULA_KDA_RECUR_H0_PREFETCH=$a python3 -m cula.kernels.sm90.kda_fwd --check \
                 --split worst
         done ;;
-    h0pf2)  # the prefetch limited to short items: recurrence tests, then A/B/A splits of the worst rows
-        step recur_tests_pf 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
-            -k "gpu_recur_v2"
-        for a in 0 1 0; do
-            step kda_split_pf$a 50 env CULA_KDA_RECUR_H0_PREFETCH=$a python3 -m cula.kernels.sm90.kda_fwd --check \
-                --split worst
-        done ;;
     rows2)  # KDA decode with two batch rows per CTA (CULA_KDA_DECODE_ROWS=2, CPU-checked only): tests, A/B/A bench
         step rows2_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_decode.py \
             -k "two_rows or graph_replay or matches_fla"
