@@ -716,11 +716,10 @@ class KdaFwdRecur:
         head = (nxt // (n_vt * n_hv)) * n_hv + (nxt // n_vt) % n_hv
         v0 = (nxt % n_vt) * BV
         per_line = LINE_BYTES // 4
-        first = head * (DK * DV) + tidx * (2 * per_line)  # V-first: rows v0.. are contiguous
-        if cutlass.const_expr(not self.v_first):
+        if cutlass.const_expr(self.v_first):  # rows v0 .. v0+63 are one contiguous 32 KB piece
+            first = head * (DK * DV) + v0 * DK + tidx * (2 * per_line)
+        else:  # row k = tidx, its values v0 .. v0+63
             first = head * (DK * DV) + tidx * DV + v0
-        else:
-            first = first + v0 * DK
         prefetch_line_l2(mH0.iterator + first)
         prefetch_line_l2(mH0.iterator + first + per_line)
 
