@@ -37,8 +37,7 @@ def run_emulated(monkeypatch, module, inputs):
 
     def launcher(key):
         config, dtypes = key
-        names = ("kernel", "kernel_two_rows") if module is kd else "kernel"
-        kernel = emu.emulated_instance(kernel_cls(*config), HELPERS, names)
+        kernel = emu.emulated_instance(kernel_cls(*config), HELPERS, "kernel")
         specs = module._specs(dtypes)
 
         def launch(*values):
@@ -94,50 +93,6 @@ def test_emulated_kernel_matches_reference(monkeypatch, variant, B, T, H, HV, K,
         assert torch.equal(h0[kept], before[kept])  # skipped and unused slots are bit-equal
     elif pool == "pool":
         assert torch.equal(h0, before)
-
-
-TWO_ROW_CASES = [
-    # (B, T, K, V, v_first, pool): odd B leaves the last CTA one row; make_inputs skips row 1 of a pool
-    (3, 2, 64, 32, False, "inplace"),
-    (3, 1, 128, 32, True, "pool"),
-    (2, 3, 64, 32, False, "plain"),
-    (5, 2, 64, 32, True, "none"),
-    (4, 2, 64, 32, False, "pool"),  # row 2 skipped too: the first row of a pair dead, the second live
-]
-
-
-@pytest.mark.parametrize("B,T,K,V,v_first,pool", TWO_ROW_CASES,
-                         ids=[f"B{c[0]}-T{c[1]}-K{c[2]}-{'vf' if c[4] else 'kf'}-{c[5]}" for c in TWO_ROW_CASES])
-def test_emulated_two_rows_per_cta_match_reference(monkeypatch, B, T, K, V, v_first, pool):
-    """KDA decode with two batch rows per CTA (``CULA_KDA_DECODE_ROWS=2``): absent last rows, skipped
-    pool rows next to live ones, in place, no initial state."""
-    monkeypatch.setattr(kd, "BATCH_ROWS", 2)
-    monkeypatch.setattr(kd, "pick_warps", lambda B, HV, V: 4)
-    case = db.DecodeCase("kda", B, T, 1, 2, K=K, V=V, state_v_first=v_first, pool=pool,
-                         flags=db.KDA_SERVING_FLAGS, seed=B * 7 + T)
-    inputs = db.make_inputs(case, device="cpu")
-    if B == 4:
-        inputs["state_indices"][2] = -1
-    h0 = inputs["initial_state"]
-    before = h0.clone() if h0 is not None else None
-    o_ref, s_ref = db.reference(case, {**inputs, "initial_state": before.clone() if h0 is not None else None})
-    launched = []
-    real = kd.KdaDecode.__init__
-
-    def init(self, *args, **kwargs):
-        real(self, *args, **kwargs)
-        launched.append(self.batch_rows)
-
-    monkeypatch.setattr(kd.KdaDecode, "__init__", init)
-    o, ht = run_emulated(monkeypatch, kd, inputs)
-    assert launched == [2]
-    assert db.rel_err(o, o_ref) < 6e-3  # bf16 outputs round to 2^-9
-    assert db.rel_err(ht, s_ref) < 1e-6
-    if pool == "inplace":
-        idx = inputs["state_indices"]
-        kept = torch.ones(h0.shape[0], dtype=torch.bool)
-        kept[idx[idx >= 0].long()] = False
-        assert torch.equal(h0[kept], before[kept])
 
 
 def test_emulator_catches_a_wrong_reduction(monkeypatch):

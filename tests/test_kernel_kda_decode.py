@@ -34,19 +34,6 @@ def test_ptx_moves_the_state_in_128_bit_vectors_without_spills(target):
     assert 0 < rep.max_registers <= 128  # 4+ CTAs of 128 threads per SM keep enough bytes in flight
 
 
-@pytest.mark.parametrize("target", ["two_rows", "two_rows_v_first"])
-def test_ptx_two_rows_per_cta_issue_both_states_without_spills(target):
-    from cula.kernels.common.ptx_check import ptx_report
-
-    rep = ptx_report("cula.kernels.sm90.kda_decode", target)
-    vectors = 2 * 128 // 16  # two rows' states, 8 vectors of 4 fp32 each per thread
-    assert rep.count("ld.global.v4.f32") >= vectors and rep.count("st.global.v4.f32") >= vectors
-    assert not rep.has("ld.local") and not rep.has("st.local")
-    assert rep.count("bar.sync") == 1  # one barrier for both rows' prologues
-    assert len(rep.kernels) == 1 and rep.spill_bytes == 0
-    assert 0 < rep.max_registers <= 168  # 3 CTAs of 128 threads per SM: 6 rows in flight
-
-
 def _cpu_inputs(B=2, T=1, H=2, HV=4, K=128, V=128, **over):
     q = torch.randn(B, T, H, K)
     inputs = dict(q=q, k=torch.randn(B, T, H, K), v=torch.randn(B, T, HV, V), g=torch.randn(B, T, HV, K),
@@ -197,19 +184,6 @@ def test_gpu_flag_sets(name):
         inputs = make_inputs(case)
         assert "A_log" in inputs  # dropped below: lower_bound * sigmoid(g + dt_bias) needs no A_log
     _check(case, drop=("A_log",) if name.endswith("no_A") else ())
-
-
-@pytest.mark.parametrize("B,v_first,pool,T", [(3, False, "inplace", 2), (64, True, "pool", 1), (7, False, "none", 8),
-                                               (64, False, "plain", 1)])
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_two_rows_per_cta(monkeypatch, B, v_first, pool, T):
-    """CULA_KDA_DECODE_ROWS=2 (opt-in): odd B, skipped pool rows, both layouts, against the reference."""
-    from cula.kernels.sm90.decode_bench import KDA_SERVING_FLAGS, DecodeCase
-
-    monkeypatch.setattr(kd, "BATCH_ROWS", 2)
-    monkeypatch.setattr(kd, "_runners", {})
-    _check(DecodeCase("kda", B, T, 8, 32, state_v_first=v_first, pool=pool, flags=KDA_SERVING_FLAGS, seed=B + T))
 
 
 @pytest.mark.gpu

@@ -68,9 +68,6 @@ L2NORM_EPS = 1e-6  # FLA's l2norm: x / sqrt(sum(x^2) + eps)
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above it, as FLA's
 #: Flipped to True once tests/test_kernel_kda_decode.py passed on the H200 (supports() says so until then).
 GPU_VALIDATED = True
-#: Batch rows per CTA where a CTA has 4 warps: 1, or 2 (``KdaDecode.run_two_rows``: both rows' state loads
-#: first). ``CULA_KDA_DECODE_ROWS=2`` selects it for A/B runs; not measured on a GPU yet.
-BATCH_ROWS = int(__import__("os").environ.get("CULA_KDA_DECODE_ROWS", "1"))
 
 
 class KdaDecode:
@@ -93,9 +90,8 @@ class KdaDecode:
         inplace: bool,
         has_indices: bool,
         warps: int = 4,
-        batch_rows: int = 1,
     ):
-        assert K in HEAD_DIMS_K and V % V_ALIGN == 0 and warps in WARP_CHOICES and batch_rows in (1, 2)
+        assert K in HEAD_DIMS_K and V % V_ALIGN == 0 and warps in WARP_CHOICES
         self.K, self.V = K, V
         self.v_first = state_v_first
         self.use_qk_l2norm = use_qk_l2norm
@@ -114,9 +110,8 @@ class KdaDecode:
         self.chunks = K // 64  # V-first: 4-wide K vectors per thread and V row
         self.warps = warps
         self.v_cta = V_PER_WARP * warps  # values of V per CTA
-        self.batch_rows = batch_rows  # batch rows per CTA (2: both rows' state loads go out first)
-        # prologue: jobs (tokens of the CTA's rows) per warp (job j goes to warp j % warps)
-        self.slots = -(-MAX_T * batch_rows // warps)
+        # prologue: jobs (tokens) per warp (token t goes to warp t % warps)
+        self.slots = -(-MAX_T // warps)
 
     # ---------------------------------------------------------------------------------------- host
 
@@ -130,14 +125,9 @@ class KdaDecode:
         scale: cutlass.Float32, lower_bound: cutlass.Float32,
         stream,
     ):
-        if cutlass.const_expr(self.batch_rows == 2):
-            self.kernel_two_rows(
-                pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO, pIdx, T, H, HV, scale, lower_bound, B,
-            ).launch(grid=[self.V // self.v_cta, HV, (B + 1) // 2], block=[32 * self.warps, 1, 1], stream=stream)
-        else:
-            self.kernel(
-                pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO, pIdx, T, H, HV, scale, lower_bound,
-            ).launch(grid=[self.V // self.v_cta, HV, B], block=[32 * self.warps, 1, 1], stream=stream)
+        self.kernel(
+            pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO, pIdx, T, H, HV, scale, lower_bound,
+        ).launch(grid=[self.V // self.v_cta, HV, B], block=[32 * self.warps, 1, 1], stream=stream)
 
     # -------------------------------------------------------------------------------------- device
 
@@ -160,20 +150,6 @@ class KdaDecode:
                          tidx, vs, hv, b, slot, T, H, HV, scale, lower_bound)
         else:
             self.skip_row(pHt, pO, tidx, vs, hv, b, T, HV)
-
-    @cute.kernel
-    def kernel_two_rows(
-        self,
-        pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pG: cute.Pointer, pBeta: cute.Pointer,
-        pALog: cute.Pointer, pDtBias: cute.Pointer, pH0: cute.Pointer, pHt: cute.Pointer,
-        pO: cute.Pointer, pIdx: cute.Pointer,
-        T: cutlass.Int32, H: cutlass.Int32, HV: cutlass.Int32,
-        scale: cutlass.Float32, lower_bound: cutlass.Float32, B: cutlass.Int32,
-    ):
-        tidx, _, _ = cute.arch.thread_idx()
-        vs, hv, bz = cute.arch.block_idx()
-        self.run_two_rows(pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO, pIdx,
-                          tidx, vs, hv, 2 * bz, B, T, H, HV, scale, lower_bound)
 
     def lane_layout(self, tidx):
         """(warp, lane, la, lb, first V index within the CTA) of this thread's slice of the state tile."""
@@ -212,54 +188,11 @@ class KdaDecode:
         # ---- 1. issue the state loads first: their latency covers the prologue below
         state = self.load_state(pH0, slot, hv, HV, la, lb, v0)
         # ---- 2. prologue: per-token vectors in shared memory, once per CTA
-        one = cutlass.Int32(1)
-        smem = self.prologue(pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b, one, one, one, T,
-                             H, HV, scale, lower_bound)
+        smem = self.prologue(pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b, T, H, HV, scale,
+                             lower_bound)
         cute.arch.sync_threads()
         # ---- 3. the tokens, in order, on the register-resident state; 4. the state back
-        self.finish_row(state, smem, pHt, pO, 0, la, lb, v0w, v0, hv, b, slot, T, HV)
-
-    @cute.jit
-    def run_two_rows(self, pQ, pK, pV, pG, pBeta, pALog, pDtBias, pH0, pHt, pO, pIdx,
-                     tidx, vs, hv, b0, B, T, H, HV, scale, lower_bound):
-        """Batch rows b0 and b0 + 1 (absent past B) of one (V slice, head): both rows' state loads go out
-        first, so the second row's bytes are in flight through the first row's prologue and tokens, and
-        the first row's stores through the second row's tokens (6 rows in flight per SM at 3 CTAs
-        instead of 4 at 4). A skipped row (negative slot) takes the skip path after the barrier."""
-        warp, lane, la, lb, v0w = self.lane_layout(tidx)
-        v0 = vs * self.v_cta + v0w
-        hq = hv // (HV // H)
-        b1 = b0 + 1
-        n_rows = cutlass.min(B - b0, 2)
-        slot0 = cutlass.Int64(b0)
-        slot1 = cutlass.Int64(-1)
-        if cutlass.const_expr(self.has_indices):
-            slot0 = cutlass.Int64(load1(pIdx, b0))
-        if n_rows > 1:
-            slot1 = cutlass.Int64(b1)
-            if cutlass.const_expr(self.has_indices):
-                slot1 = cutlass.Int64(load1(pIdx, b1))
-        live0 = cutlass.Int32(0)
-        live1 = cutlass.Int32(0)
-        if slot0 >= 0:
-            live0 = cutlass.Int32(1)
-        if slot1 >= 0:
-            live1 = cutlass.Int32(1)
-        # (a skipped row's loads read its clamped slot 0's head: in bounds, never used)
-        state0 = self.load_state(pH0, cutlass.max(slot0, cutlass.Int64(0)), hv, HV, la, lb, v0)
-        state1 = self.load_state(pH0, cutlass.max(slot1, cutlass.Int64(0)), hv, HV, la, lb, v0)
-        smem = self.prologue(pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b0, n_rows,
-                             live0, live1, T, H, HV, scale, lower_bound)
-        cute.arch.sync_threads()
-        if live0 != 0:
-            self.finish_row(state0, smem, pHt, pO, 0, la, lb, v0w, v0, hv, b0, slot0, T, HV)
-        else:
-            self.skip_row(pHt, pO, tidx, vs, hv, b0, T, HV)
-        if n_rows > 1:
-            if live1 != 0:
-                self.finish_row(state1, smem, pHt, pO, MAX_T, la, lb, v0w, v0, hv, b1, slot1, T, HV)
-            else:
-                self.skip_row(pHt, pO, tidx, vs, hv, b1, T, HV)
+        self.finish_row(state, smem, pHt, pO, la, lb, v0w, v0, hv, b, slot, T, HV)
 
     @cute.jit
     def load_state(self, pH0, slot, hv, HV, la, lb, v0):
@@ -279,16 +212,15 @@ class KdaDecode:
         return state
 
     @cute.jit
-    def prologue(self, pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b0, n_rows, live0, live1,
-                 T, H, HV, scale, lower_bound):
+    def prologue(self, pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b0, T, H, HV, scale,
+                 lower_bound):
         """Per-token vectors in shared memory, once per CTA: the gate's decay factors, l2-normalised and
-        scaled q, normalised k, q.k, the beta sigmoid and the CTA's values of v. Job ``jid`` (token t of
-        batch row b0 + r, smem row r * MAX_T + t) goes to warp ``jid % warps``; with one row per CTA
-        (``n_rows``, ``live0``, ``live1`` unused) job t is token t. Returns (sQ, sK, sD, sV, sS)."""
+        scaled q, normalised k, q.k, the beta sigmoid and the CTA's values of v of batch row ``b0``. Token
+        t goes to warp ``t % warps``. Returns (sQ, sK, sD, sV, sS)."""
         f32 = cutlass.Float32
         K, V = self.K, self.V
         v_cta = vs * self.v_cta
-        n_tok = MAX_T * self.batch_rows
+        n_tok = MAX_T
         smem = cutlass.utils.SmemAllocator()
         sQ = smem.allocate_tensor(f32, cute.make_layout((n_tok, K), stride=(K, 1)), 16)
         sK = smem.allocate_tensor(f32, cute.make_layout((n_tok, K), stride=(K, 1)), 16)
@@ -317,7 +249,7 @@ class KdaDecode:
         vr = cute.make_rmem_tensor(cute.make_layout(nt), pV.dtype)
         br = cute.make_rmem_tensor(cute.make_layout(nt), pBeta.dtype)
         for j in cutlass.range_constexpr(nt):
-            b, t, ts, ok = self.job(warp + j * self.warps, b0, n_rows, live0, live1, T)
+            b, t, ts, ok = self.job(warp + j * self.warps, b0, T)
             if ok != 0:
                 row_q = (cutlass.Int64(b) * T + t) * H + hq
                 row_v = (cutlass.Int64(b) * T + t) * HV + hv
@@ -329,7 +261,7 @@ class KdaDecode:
                 if lane == 0:
                     br[j] = load1(pBeta, row_v)
         for j in cutlass.range_constexpr(nt):
-            b, t, ts, ok = self.job(warp + j * self.warps, b0, n_rows, live0, live1, T)
+            b, t, ts, ok = self.job(warp + j * self.warps, b0, T)
             if ok != 0:
                 qq = f32(0.0)
                 kk2 = f32(0.0)
@@ -362,28 +294,21 @@ class KdaDecode:
         return sQ, sK, sD, sV, sS
 
     @cute.jit
-    def job(self, jid, b0, n_rows, live0, live1, T):
+    def job(self, jid, b0, T):
         """(batch row, token, smem row, whether to run) of prologue job ``jid`` (warp-uniform)."""
-        if cutlass.const_expr(self.batch_rows == 1):
-            ok = cutlass.Int32(0)
-            if jid < T:
-                ok = cutlass.Int32(1)
-            return b0, jid, jid, ok
-        r = jid // T
-        t = jid - r * T
         ok = cutlass.Int32(0)
-        if jid < n_rows * T:
-            ok = live0 + r * (live1 - live0)  # the row's own liveness (r is 0 or 1 here)
-        return b0 + r, t, r * MAX_T + t, ok
+        if jid < T:
+            ok = cutlass.Int32(1)
+        return b0, jid, jid, ok
 
     @cute.jit
-    def finish_row(self, state, smem, pHt, pO, base: cutlass.Constexpr, la, lb, v0w, v0, hv, b, slot, T, HV):
-        """The tokens of batch row ``b`` (smem rows ``base`` + t), in order, on the register-resident
+    def finish_row(self, state, smem, pHt, pO, la, lb, v0w, v0, hv, b, slot, T, HV):
+        """The tokens of batch row ``b``, in order, on the register-resident
         state, then the state back (the pool slot in place, or the out-of-place final state)."""
         sQ, sK, sD, sV, sS = smem
         na, nb = self.tile_shape()
         for t in cutlass.range(T, unroll=1):
-            self.token_step(state, sQ, sK, sD, sV, sS, pO, t, base + t, la, lb, v0w, v0, b, T, HV, hv)
+            self.token_step(state, sQ, sK, sD, sV, sS, pO, t, t, la, lb, v0w, v0, b, T, HV, hv)
         if cutlass.const_expr(self.store_state):
             kv = self.K * self.V
             head_out = (cutlass.Int64(b) * HV + hv) * kv
@@ -695,7 +620,6 @@ def runner(
     config = (K, V, bool(state_v_first), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), has_a,
               has_bias, use_lb, bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
               has_h0, store, bool(inplace), has_idx, pick_warps(B, HV, V))
-    config += (2 if BATCH_ROWS == 2 and config[-1] == 4 and B >= 2 else 1,)
     dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, A_log.dtype if has_a else torch.float32,
               dt_bias.dtype if has_bias else torch.float32, v.dtype, idx_dtype)
     statics = (B, T, H, HV, float(K ** -0.5 if scale is None else scale), float(lower_bound) if use_lb else 0.0)
@@ -733,8 +657,6 @@ def compile_targets():
         "k256": build(K=256, V=256),
         "one_warp_v_first": build(state_v_first=True, warps=1),
         "two_warps": build(warps=2),
-        "two_rows": build(batch_rows=2),
-        "two_rows_v_first": build(state_v_first=True, batch_rows=2),
     }
 
 
