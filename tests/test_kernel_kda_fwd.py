@@ -113,6 +113,10 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         # the next item's state tile, 2 lines per thread (none without an initial state)
         pf = 2 if "no_state" not in target and V2_H0_PREFETCH else 0
         assert rep.count("prefetch.global.L2") == pf
+        from cula.kernels.sm90.kda_fwd_recur import PDL
+
+        # programmatic dependent launch: the TMA warp alone waits for stage 1's grid, once per CTA
+        assert rep.count("griddepcontrol.wait") == (1 if PDL else 0)
         # ptxas did not have to serialise any wgmma (registers of one in flight read too early)
         assert "C7517" not in rep.ptxas_log and "serialized" not in rep.ptxas_log
         assert rep.count("bar.sync") == 1  # the mbarrier-init barrier only: no CTA barrier per chunk
@@ -125,6 +129,8 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         # the wgmma inverse step (the default with one warpgroup) adds 2 products x 3 hi/lo passes x 2
         # k-blocks (m64n64k16, A from registers)
         inv = 0 if two or target.endswith("simt_inverse") else 12
+        # every CTA lets stage 2 launch as soon as it is resident (one instruction, before anything else)
+        assert rep.count("griddepcontrol.launch_dependents") == 1
         assert rep.count("wgmma.mma_async") == (36 if two else 72) + inv
         assert rep.count("cp.async.bulk.tensor") == 5  # TMA stores: aqk, w and u (two 64-column boxes)
         # 16-byte accesses: 4 (8) rows x q, k, v, g per thread
@@ -468,3 +474,37 @@ def test_split_builds_the_suites_varlen_shapes(monkeypatch):
     assert cu.tolist() == cu_seqlens_from_lengths(varlen_lengths("uniform", 20, 8192))
     assert [c[3] for c in calls[:4]] == [("intra", "recur"), ("intra",), ("recur",), ()]
     assert calls[4][1] is None and calls[4][2] == (1, 64, 128, 128)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "serial"])
+def test_gpu_chained_calls_equal_one_call(monkeypatch, pdl):
+    """Prefill in pieces, each call's initial state the previous call's final state, equals one call
+    bitwise (the pieces end on chunk boundaries, so every chunk and every state update is the same).
+    With programmatic dependent launch, stage 2 reads its initial state before waiting for stage 1:
+    this is what would see a previous call's final state half written. Eight heads x 4096 tokens keep
+    stage 1 several waves long; repeated 5 times, on one stream, with no sync in between."""
+    from cula.kernels.sm90 import kda_fwd_recur as kr
+
+    monkeypatch.setattr(kr, "PDL", pdl)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(5)
+    B, T, H, D = 2, 4096, 16, 128
+    q, k, v, g = (torch.randn(B, T, H, D, device=dev, generator=gen).to(torch.bfloat16) for _ in range(4))
+    beta = torch.randn(B, T, H, device=dev, generator=gen).to(torch.bfloat16)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              A_log=torch.randn(H, device=dev, generator=gen), dt_bias=torch.randn(H * D, device=dev) * 0.1,
+              lower_bound=-5.0, safe_gate=True, output_final_state=True)
+    h0 = torch.randn(B, H, D, D, device=dev, generator=gen) * 0.1
+    o_full, ht_full = kda_fwd.kda_fwd(q, k, v, g, beta, initial_state=h0, **kw)
+    cuts = (0, 1024, 1088, 3072, T)  # pieces of 1024, 64, 1984 and 1024 tokens
+    for _ in range(5):
+        state, outs = h0, []
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            o, state = kda_fwd.kda_fwd(q[:, a:b].contiguous(), k[:, a:b].contiguous(), v[:, a:b].contiguous(),
+                                       g[:, a:b].contiguous(), beta[:, a:b].contiguous(), initial_state=state, **kw)
+            outs.append(o)
+        torch.cuda.synchronize()
+        assert torch.equal(torch.cat(outs, 1), o_full)
+        assert torch.equal(state, ht_full)

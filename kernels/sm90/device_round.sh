@@ -110,15 +110,16 @@ for s in $steps; do
             step kda_split_pf$a 50 env CULA_KDA_RECUR_H0_PREFETCH=$a python3 -m cula.kernels.sm90.kda_fwd --check \
                 --split worst
         done ;;
-    rows2)  # KDA decode with two batch rows per CTA (CULA_KDA_DECODE_ROWS=2, CPU-checked only): tests, A/B/A bench
-        step rows2_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_decode.py \
-            -k "two_rows or graph_replay or matches_fla"
-        for r in 1 2 1; do
-            mkdir -p "$OUT/rows$r"
-            step kda_decode_rows$r 60 env CULA_KDA_DECODE_ROWS=$r python3 -m cula.kernels.sm90.decode_bench \
-                --variants kda --batches 16,64,128,256 --heads 32,64 --out "$OUT/rows$r"
-        done ;;
-    eager_probe)  # why Lightning decode's eager rows sit ~20 µs above its graph rows (KDA's do not)
+    pdl)  # stage 2 launched programmatically behind stage 1 (CULA_KDA_PDL): GPU checks, then A/B/A splits
+        step pdl_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "chained_calls or gpu_recur_v2_matches_v1"
+        step kda_check_pdl 150 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases tc-varlen-33,tc-T65-gva-vfirst,tc-varlen-zero,tc-T1
+        for a in 0 1 0 1; do
+            step kda_split_pdl$a 60 env CULA_KDA_PDL=$a python3 -m cula.kernels.sm90.kda_fwd --check --split small
+        done
+        step kda_split_worst_pdl 60 python3 -m cula.kernels.sm90.kda_fwd --check --split worst ;;
+    eager_probe)  # host timestamps + profiler trace of the timer's eager loop (small-B decode rows)
         step eager_probe_l 60 python3 -m cula.bench.eager_probe --variant lightning --B 1 --H 8
         step eager_probe_k 60 python3 -m cula.bench.eager_probe --variant kda --B 1 --H 8 ;;
     flush32)  # the flush-eviction GPU test at 32 MiB (the write flush; the read flush was removed)

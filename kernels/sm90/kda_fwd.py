@@ -501,7 +501,7 @@ def kda_fwd(
                         use_beta_sigmoid=bool(use_beta_sigmoid_in_kernel),
                         allow_neg_eigval=bool(allow_neg_eigval), group=HV // H,
                         packed_offdiag=intra_tc.PACKED_OFFDIAG, warpgroups=intra_tc.WARPGROUPS,
-                        inv_wgmma=intra_tc.INV_WGMMA and intra_tc.WARPGROUPS == 1)
+                        inv_wgmma=intra_tc.INV_WGMMA and intra_tc.WARPGROUPS == 1, pdl_trigger=recur.PDL)
         _launcher("intra_tc", (tuple(sorted(tc_flags.items())), dts), lambda: intra_tc.KdaFwdIntraTC(**tc_flags),
                   _intra_specs(*dts))(*intra_values)
     elif "intra" in stages:
@@ -519,9 +519,10 @@ def kda_fwd(
                   state_v_first=bool(state_v_first))
     o_dt = _cute_dtype(v.dtype)
     if "recur" in stages:
-        variant, pf = recur.RECUR_VARIANT, recur.V2_H0_PREFETCH
-        _launcher("recur", (tuple(sorted(rflags.items())), o_dt, variant, pf),
-                  lambda: recur.KdaFwdRecur(**rflags, variant=variant, h0_prefetch=pf), _recur_specs(o_dt))(
+        variant, pf, pdl = recur.RECUR_VARIANT, recur.V2_H0_PREFETCH, recur.PDL
+        _launcher("recur", (tuple(sorted(rflags.items())), o_dt, variant, pf, pdl),
+                  lambda: recur.KdaFwdRecur(**rflags, variant=variant, h0_prefetch=pf, pdl=pdl),
+                  _recur_specs(o_dt))(
             w.data_ptr(), qg.data_ptr(), aqk.data_ptr(), kgt.data_ptr(), u.data_ptr(), gam.data_ptr(),
             chunks.data_ptr(), seqs.data_ptr(), o.data_ptr(), (h0 if h0 is not None else dummy).data_ptr(),
             (ht if ht is not None else dummy).data_ptr(), TT, HV, NC, N, sm_count(dev), stream)

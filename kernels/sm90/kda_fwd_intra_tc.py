@@ -114,10 +114,14 @@ class KdaFwdIntraTC:
         packed_offdiag: bool = True,
         warpgroups: int = 1,
         inv_wgmma: bool = True,
+        pdl_trigger: bool = True,
     ):
         assert warpgroups in (1, 2), warpgroups
         assert not (inv_wgmma and warpgroups != 1), "the wgmma inverse step is written for one warpgroup"
         self.inv_wgmma = inv_wgmma
+        # signal griddepcontrol.launch_dependents on entry: stage 2 (launched with programmatic dependent
+        # launch) may start once every CTA of this grid is resident, i.e. during the last wave
+        self.pdl_trigger = pdl_trigger
         self.use_qk_l2norm = use_qk_l2norm
         self.packed_offdiag = packed_offdiag
         # 2: the chunk on two warpgroups (see WARPGROUPS); the element-wise phases give each thread 4 rows
@@ -254,6 +258,8 @@ class KdaFwdIntraTC:
         scale: cutlass.Float32,
         lower_bound: cutlass.Float32,
     ):
+        if cutlass.const_expr(self.pdl_trigger):
+            cute.arch.griddepcontrol_launch_dependents()
         # The sync-free varlen tables end in dummy chunks (nvalid = 0) that nobody reads: leave at once.
         chunk, _, _ = cute.arch.block_idx()
         chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))

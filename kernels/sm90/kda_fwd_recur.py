@@ -75,6 +75,11 @@ V2_O_VECS = CHUNK * V2_O_ROWS // 8 // 32  # 16-byte vectors per lane per chunk (
 V2_H0_PREFETCH = __import__("os").environ.get("CULA_KDA_RECUR_H0_PREFETCH", "1") == "1"
 #: ...for items of at most this many chunks (~0.7 µs each): L2 keeps a line ~10 µs under the stream.
 V2_H0_PREFETCH_MAX_CHUNKS = 16
+#: Programmatic dependent launch: v2 is launched while stage 1 still runs its last wave (stage 1's CTAs
+#: signal ``griddepcontrol.launch_dependents`` on entry), so its launch, mbarrier setup and first state
+#: loads overlap stage 1's tail; only the TMA warp, the one reader of stage 1's scratch, waits for stage 1
+#: to finish (``griddepcontrol.wait``). ``CULA_KDA_PDL=0`` launches the stages back to back for A/B runs.
+PDL = __import__("os").environ.get("CULA_KDA_PDL", "1") == "1"
 SMEM_PER_BLOCK = 232448  # H100/H200: the most dynamic shared memory one CTA may have (227 KB)
 
 
@@ -82,8 +87,9 @@ class KdaFwdRecur:
     """Compile-time configuration of the recurrence kernel."""
 
     def __init__(self, has_initial_state: bool, output_final_state: bool, state_v_first: bool,
-                 variant: str | None = None, h0_prefetch: bool | None = None):
+                 variant: str | None = None, h0_prefetch: bool | None = None, pdl: bool | None = None):
         self.has_h0 = has_initial_state
+        self.pdl = PDL if pdl is None else pdl
         self.h0_prefetch = V2_H0_PREFETCH if h0_prefetch is None else h0_prefetch
         self.store_ht = output_final_state
         self.v_first = state_v_first
@@ -505,7 +511,7 @@ class KdaFwdRecur:
             mChunks, mSeq, mO, mH0, mHT, self.mma_rs_n64, self.mma_rs_n128,
             self.w2_layout, self.t64_layout, self.kgt2_layout, self.gam_layout,
         ).launch(grid=[cutlass.min((DV // BV) * HV * N, max_ctas), 1, 1], block=[V2_THREADS, 1, 1],
-                 smem=SharedStorageV2.size_in_bytes(), stream=stream)
+                 smem=SharedStorageV2.size_in_bytes(), stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel_v2(
@@ -575,6 +581,11 @@ class KdaFwdRecur:
             # ============ TMA warp: each stage is refilled as soon as the math warps release it
             for atom in (tma_w, tma_qg, tma_aqk, tma_kgt, tma_u, tma_gam):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
+            if cutlass.const_expr(self.pdl):
+                # stage 1's scratch is complete and visible past this point. The math warps read only
+                # the initial state, the chunk tables (both written before stage 1 started) and what
+                # this warp's copies deliver, and write o / the final state, which stage 1 never touches.
+                cute.arch.griddepcontrol_wait()
             one = cute.make_layout(1)
             part = cute.nvgpu.cpasync.tma_partition
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, V2_STAGES)
