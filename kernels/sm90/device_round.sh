@@ -119,6 +119,10 @@ for s in $steps; do
             step kda_split_pdl$a 60 env CULA_KDA_PDL=$a python3 -m cula.kernels.sm90.kda_fwd --check --split small
         done
         step kda_split_worst_pdl 60 python3 -m cula.kernels.sm90.kda_fwd --check --split worst ;;
+    pdl_ab)  # stage 2's programmatic launch on / off / on / off over short and long rows (split "pdl")
+        for a in 1 0 1 0; do
+            step kda_split_pdl$a 75 env CULA_KDA_PDL=$a python3 -m cula.kernels.sm90.kda_fwd --check --split pdl
+        done ;;
     eager_probe)  # host timestamps + profiler trace of the timer's eager loop (small-B decode rows)
         step eager_probe_l 60 python3 -m cula.bench.eager_probe --variant lightning --B 1 --H 8
         step eager_probe_k 60 python3 -m cula.bench.eager_probe --variant kda --B 1 --H 8 ;;

@@ -154,6 +154,8 @@ SPLIT_VARLEN = (("uniform", 20, 8192, 64), ("random", 20, 8192, 64), ("skewed", 
 SPLIT_WORST = (("uniform", 20, 4096, 64), ("random", 20, 4096, 64), ("skewed", 20, 4096, 64), (2, 16384, 64))
 #: the suite's shortest fixed rows, where the launch gap and stage 2's start are a visible share
 SPLIT_SMALL = ((1, 512, 64), (2, 512, 64), (1, 1024, 64), (2, 1024, 64))
+#: where stage 2's programmatic launch could help (short rows) or cost (long rows): both ends
+SPLIT_PDL = SPLIT_SMALL + ((1, 4096, 64), (1, 16384, 64), (2, 16384, 64), ("uniform", 20, 4096, 64))
 
 
 def split(dev, shapes=SPLIT_FIXED) -> list[dict]:
@@ -221,10 +223,10 @@ def main(argv: list[str]) -> int:
 
         kf.INTRA_TC = False
         print("stage 1: SIMT only", flush=True)
-    if "--split" in argv:  # --split [varlen | all | worst | small]
+    if "--split" in argv:  # --split [varlen | all | worst | small | pdl]
         nxt = argv[argv.index("--split") + 1] if argv.index("--split") + 1 < len(argv) else ""
         sets = {"varlen": SPLIT_VARLEN, "all": SPLIT_FIXED + SPLIT_VARLEN, "worst": SPLIT_WORST,
-                "small": SPLIT_SMALL}
+                "small": SPLIT_SMALL, "pdl": SPLIT_PDL}
         split(dev, sets.get(nxt, SPLIT_FIXED))
         return 0
     cases = CASES[:3] if "--quick" in argv else CASES
