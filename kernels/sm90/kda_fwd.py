@@ -519,7 +519,8 @@ def kda_fwd(
                   state_v_first=bool(state_v_first))
     o_dt = _cute_dtype(v.dtype)
     if "recur" in stages:
-        variant, pf, pdl = recur.RECUR_VARIANT, recur.V2_H0_PREFETCH, recur.PDL
+        variant, pf = recur.RECUR_VARIANT, recur.V2_H0_PREFETCH
+        pdl = recur.PDL and NC * HV <= recur.PDL_MAX_STAGE1_CTAS
         _launcher("recur", (tuple(sorted(rflags.items())), o_dt, variant, pf, pdl),
                   lambda: recur.KdaFwdRecur(**rflags, variant=variant, h0_prefetch=pf, pdl=pdl),
                   _recur_specs(o_dt))(

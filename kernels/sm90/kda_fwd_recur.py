@@ -80,6 +80,11 @@ V2_H0_PREFETCH_MAX_CHUNKS = 16
 #: loads overlap stage 1's tail; only the TMA warp, the one reader of stage 1's scratch, waits for stage 1
 #: to finish (``griddepcontrol.wait``). ``CULA_KDA_PDL=0`` launches the stages back to back for A/B runs.
 PDL = __import__("os").environ.get("CULA_KDA_PDL", "1") == "1"
+#: ...only where stage 1 has at most this many CTAs (NC x HV). On the H200 (session 9, A/B/A/B splits)
+#: the programmatic launch saves 3-11 us on the suite's shortest rows (B1 T512 0.098 -> 0.087 ms, B2
+#: T1024 0.214 -> 0.211) but makes the long ones slower, stage 2 by ~16% (B1 T16384 1.428 -> 1.487 ms,
+#: B2 T16384 2.858 -> 2.98; B1 T4096, 4,096 CTAs, +1%), for a reason not yet found.
+PDL_MAX_STAGE1_CTAS = 2048
 SMEM_PER_BLOCK = 232448  # H100/H200: the most dynamic shared memory one CTA may have (227 KB)
 
 
