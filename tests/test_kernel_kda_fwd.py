@@ -90,7 +90,8 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc", True),
                                                ("intra_tc_fp32_gate", True), ("intra_tc_plain_gva", True),
                                                ("intra_tc_scalar_offdiag", True), ("intra_tc_two_wg", True),
-                                               ("intra_tc_two_wg_fp32_gate_gva", True), ("intra_tc_simt_inverse", True)])
+                                               ("intra_tc_two_wg_fp32_gate_gva", True), ("intra_tc_simt_inverse", True),
+                                               ("intra_tc_prefetch", True), ("intra_tc_subst4", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -139,6 +140,8 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         # rows), the fp32 one none
         packed = rep.count("mul.bf16x2") + rep.count("mul.rn.bf16x2")
         assert packed == 0 if target.endswith("scalar_offdiag") else packed >= 96
+        # the later CTA's q, k (threads 0-63) or v, g (64-127) rows: 2 lines each, addresses selected
+        assert rep.count("prefetch.global.L2") == (4 if target.endswith("prefetch") else 0)
         if two:  # 256 threads at 2 CTAs per SM: ptxas holds them to 128 registers
             assert rep.max_registers <= 128
 

@@ -48,6 +48,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
 from cula.kernels.common.wgmma_frag import a_operand_layout
 
 CHUNK = 64  # tokens per chunk (FLA's chunk_size): one wgmma M tile
@@ -89,6 +90,13 @@ WARPGROUPS = int(__import__("os").environ.get("CULA_KDA_TC_WARPGROUPS", "1"))
 #: One warpgroup only. On since its H200 A/B (session 7: six check cases pass with the SIMT path's
 #: errors to three digits; stage 1 1.5% faster at B1 T16384); ``CULA_KDA_TC_INV_WGMMA=0`` restores SIMT.
 INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
+#: Each CTA asks L2 (per-thread ``prefetch.global.L2``, 4 lines a thread for bf16 inputs) for the q, k,
+#: v, g rows of the CTA this many places later in launch order (0: off), so that CTA's 32 loads a thread
+#: hit L2. Session 6's version of the idea, a TMA bulk prefetch, made stage 1 1-12% slower; stage 2's
+#: bulk prefetch also lost where its per-thread one won (session 8). ``CULA_KDA_TC_PREFETCH`` for A/B.
+PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "0"))
+#: Partial sums per row of the 16x16 substitutions (a row's dependency chain is i / SUBST_ACCS long).
+SUBST_ACCS = int(__import__("os").environ.get("CULA_KDA_TC_SUBST_ACCS", "2"))
 SPLIT_PASSES = ((0, 0), (0, 1), (1, 0))  # (A part, B part) of each pass, 0 = hi, 1 = lo: lo·lo is dropped
 
 BF16 = cutlass.BFloat16
@@ -115,6 +123,8 @@ class KdaFwdIntraTC:
         warpgroups: int = 1,
         inv_wgmma: bool = True,
         pdl_trigger: bool = True,
+        prefetch_ahead: int = 0,
+        subst_accs: int = 2,
     ):
         assert warpgroups in (1, 2), warpgroups
         assert not (inv_wgmma and warpgroups != 1), "the wgmma inverse step is written for one warpgroup"
@@ -122,6 +132,9 @@ class KdaFwdIntraTC:
         # signal griddepcontrol.launch_dependents on entry: stage 2 (launched with programmatic dependent
         # launch) may start once every CTA of this grid is resident, i.e. during the last wave
         self.pdl_trigger = pdl_trigger
+        self.prefetch_ahead = prefetch_ahead  # CTAs ahead whose inputs this CTA asks L2 for (0: none)
+        assert subst_accs in (1, 2, 4), subst_accs
+        self.subst_accs = subst_accs
         self.use_qk_l2norm = use_qk_l2norm
         self.packed_offdiag = packed_offdiag
         # 2: the chunk on two warpgroups (see WARPGROUPS); the element-wise phases give each thread 4 rows
@@ -270,6 +283,30 @@ class KdaFwdIntraTC:
                 kh_layout, x_layout, tb_layout, w_layout, aqk_layout, H, HV, NC, scale,
                 lower_bound,
             )
+
+    @cute.jit
+    def prefetch_later_chunk(self, pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pG: cute.Pointer,
+                             pChunks: cute.Pointer, tidx, chunk, hv, H, HV, NC):
+        """Ask L2 for the q, k, v, g rows of the CTA ``prefetch_ahead`` places later in launch order
+        (chunk fastest, then head). Thread t takes row t % 64: q and k for t < 64, v and g otherwise,
+        every 128-byte line of each row."""
+        nxt = hv * NC + chunk + self.prefetch_ahead
+        if nxt < HV * NC:
+            hv_n = nxt // NC
+            c_n = nxt - hv_n * NC
+            later = cute.make_tensor(pChunks, cute.make_layout((c_n + 1, 2), stride=(2, 1)))
+            row = tidx % CHUNK
+            if row < later[c_n, 1]:
+                tok = later[c_n, 0] + row
+                if tidx < CHUNK:
+                    hq_n = hv_n // self.group
+                    for p in (pQ, pK):
+                        for ln in cutlass.range_constexpr(DK * p.dtype.width // 8 // LINE_BYTES):
+                            prefetch_line_l2(p + (tok * H + hq_n) * DK + ln * (LINE_BYTES * 8 // p.dtype.width))
+                else:
+                    for p, d in ((pV, DV), (pG, DK)):
+                        for ln in cutlass.range_constexpr(d * p.dtype.width // 8 // LINE_BYTES):
+                            prefetch_line_l2(p + (tok * HV + hv_n) * d + ln * (LINE_BYTES * 8 // p.dtype.width))
 
     @cute.jit
     def column_pass(self, sTot: cute.Tensor, sFirst: cute.Tensor, sC: cute.Tensor, shift, col):
@@ -427,6 +464,8 @@ class KdaFwdIntraTC:
             raw_k[rr, None].store(_vec(pK, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
             raw_v[rr, None].store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load())
             raw_g[rr, None].store(_vec(pG, (tok * HV + hv) * DK + d0, COLS_PER_THREAD).load())
+        if cutlass.const_expr(self.prefetch_ahead > 0):
+            self.prefetch_later_chunk(pQ, pK, pV, pG, pChunks, tidx, chunk, hv, H, HV, NC)
         if tidx < CHUNK:
             keep_b = F32(1.0)
             if tidx >= nvalid:
@@ -941,16 +980,29 @@ class KdaFwdIntraTC:
                 # row i of the diagonal block, columns 0 .. i-1 (as whole 4-vectors: the rest is unused)
                 for q in cutlass.range_constexpr((i + 3) // 4):
                     cute.autovec_copy(_vec(pA, (base + i) * PAD + base + 4 * q, 4), arow[q, None])
-                acc0 = F32(0.0)
-                acc1 = F32(0.0)  # two partial sums halve the dependency chain
-                if lane == i:
-                    acc0 = F32(1.0)
-                for j in cutlass.range_constexpr(i):
-                    if cutlass.const_expr(j % 2 == 0):
-                        acc0 = acc0 - arow[j // 4, j % 4] * col[j]
-                    else:
-                        acc1 = acc1 - arow[j // 4, j % 4] * col[j]
-                col[i] = acc0 + acc1
+                if cutlass.const_expr(self.subst_accs == 2):
+                    acc0 = F32(0.0)
+                    acc1 = F32(0.0)  # two partial sums halve the dependency chain
+                    if lane == i:
+                        acc0 = F32(1.0)
+                    for j in cutlass.range_constexpr(i):
+                        if cutlass.const_expr(j % 2 == 0):
+                            acc0 = acc0 - arow[j // 4, j % 4] * col[j]
+                        else:
+                            acc1 = acc1 - arow[j // 4, j % 4] * col[j]
+                    col[i] = acc0 + acc1
+                else:
+                    n_acc = self.subst_accs
+                    acc = cute.make_rmem_tensor(cute.make_layout(n_acc), F32)
+                    acc.fill(0.0)
+                    if lane == i:
+                        acc[0] = F32(1.0)
+                    for j in cutlass.range_constexpr(i):
+                        acc[j % n_acc] = acc[j % n_acc] - arow[j // 4, j % 4] * col[j]
+                    total = acc[0]
+                    for a in cutlass.range_constexpr(1, n_acc):
+                        total = total + acc[a]
+                    col[i] = total
                 sT[base + i, base + lane] = col[i]
         else:
             if warp % 2 == 0:
@@ -1078,6 +1130,8 @@ def compile_targets():
                                                  "allow_neg_eigval": True, "group": 2}),
         "scalar_offdiag": build(cutlass.BFloat16, **full, packed_offdiag=False),
         "simt_inverse": build(cutlass.BFloat16, **full, inv_wgmma=False),
+        "prefetch": build(cutlass.BFloat16, **full, prefetch_ahead=132),
+        "subst4": build(cutlass.BFloat16, **full, subst_accs=4),
         "two_wg": build(cutlass.BFloat16, **full, warpgroups=2, inv_wgmma=False),
         "two_wg_fp32_gate_gva": build(cutlass.Float32, **{**full, "use_beta_sigmoid": False, "group": 2},
                                       warpgroups=2, inv_wgmma=False),
