@@ -94,7 +94,7 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: v, g rows of the CTA this many places later in launch order (0: off), so that CTA's 32 loads a thread
 #: hit L2. Session 6's version of the idea, a TMA bulk prefetch, made stage 1 1-12% slower; stage 2's
 #: bulk prefetch also lost where its per-thread one won (session 8). ``CULA_KDA_TC_PREFETCH`` for A/B.
-PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "0"))
+PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
 #: Partial sums per row of the 16x16 substitutions (a row's dependency chain is i / SUBST_ACCS long).
 SUBST_ACCS = int(__import__("os").environ.get("CULA_KDA_TC_SUBST_ACCS", "2"))
 SPLIT_PASSES = ((0, 0), (0, 1), (1, 0))  # (A part, B part) of each pass, 0 = hi, 1 = lo: lo·lo is dropped
@@ -123,7 +123,7 @@ class KdaFwdIntraTC:
         warpgroups: int = 1,
         inv_wgmma: bool = True,
         pdl_trigger: bool = True,
-        prefetch_ahead: int = 0,
+        prefetch_ahead: int = PREFETCH_AHEAD,
         subst_accs: int = 2,
     ):
         assert warpgroups in (1, 2), warpgroups
