@@ -123,14 +123,6 @@ for s in $steps; do
         for a in 1 0 1 0; do
             step kda_split_pdl$a 75 env CULA_KDA_PDL=$a python3 -m cula.kernels.sm90.kda_fwd --check --split pdl
         done ;;
-    s9tc)  # stage 1: per-thread L2 prefetch of a later CTA's inputs, four-sum substitutions: checks, then splits
-        step s9_check 130 env CULA_KDA_TC_PREFETCH=132 CULA_KDA_TC_SUBST_ACCS=4 python3 -m cula.kernels.sm90.kda_fwd \
-            --check --no-bench --cases tc-varlen-33,tc-T65-gva-vfirst,tc-varlen-zero
-        for cfg in "0 2" "132 2" "0 4" "0 2" "66 2"; do
-            set -- $cfg
-            step kda_split_pf$1_acc$2 60 env CULA_KDA_TC_PREFETCH=$1 CULA_KDA_TC_SUBST_ACCS=$2 \
-                python3 -m cula.kernels.sm90.kda_fwd --check --split all
-        done ;;
     eager_probe)  # host timestamps + profiler trace of the timer's eager loop (small-B decode rows)
         step eager_probe_l 60 python3 -m cula.bench.eager_probe --variant lightning --B 1 --H 8
         step eager_probe_k 60 python3 -m cula.bench.eager_probe --variant kda --B 1 --H 8 ;;

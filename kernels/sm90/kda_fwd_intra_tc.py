@@ -95,8 +95,6 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: hit L2. Session 6's version of the idea, a TMA bulk prefetch, made stage 1 1-12% slower; stage 2's
 #: bulk prefetch also lost where its per-thread one won (session 8). ``CULA_KDA_TC_PREFETCH`` for A/B.
 PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
-#: Partial sums per row of the 16x16 substitutions (a row's dependency chain is i / SUBST_ACCS long).
-SUBST_ACCS = int(__import__("os").environ.get("CULA_KDA_TC_SUBST_ACCS", "2"))
 SPLIT_PASSES = ((0, 0), (0, 1), (1, 0))  # (A part, B part) of each pass, 0 = hi, 1 = lo: lo·lo is dropped
 
 BF16 = cutlass.BFloat16
@@ -124,7 +122,6 @@ class KdaFwdIntraTC:
         inv_wgmma: bool = True,
         pdl_trigger: bool = True,
         prefetch_ahead: int = PREFETCH_AHEAD,
-        subst_accs: int = 2,
     ):
         assert warpgroups in (1, 2), warpgroups
         assert not (inv_wgmma and warpgroups != 1), "the wgmma inverse step is written for one warpgroup"
@@ -133,8 +130,6 @@ class KdaFwdIntraTC:
         # launch) may start once every CTA of this grid is resident, i.e. during the last wave
         self.pdl_trigger = pdl_trigger
         self.prefetch_ahead = prefetch_ahead  # CTAs ahead whose inputs this CTA asks L2 for (0: none)
-        assert subst_accs in (1, 2, 4), subst_accs
-        self.subst_accs = subst_accs
         self.use_qk_l2norm = use_qk_l2norm
         self.packed_offdiag = packed_offdiag
         # 2: the chunk on two warpgroups (see WARPGROUPS); the element-wise phases give each thread 4 rows
@@ -980,29 +975,16 @@ class KdaFwdIntraTC:
                 # row i of the diagonal block, columns 0 .. i-1 (as whole 4-vectors: the rest is unused)
                 for q in cutlass.range_constexpr((i + 3) // 4):
                     cute.autovec_copy(_vec(pA, (base + i) * PAD + base + 4 * q, 4), arow[q, None])
-                if cutlass.const_expr(self.subst_accs == 2):
-                    acc0 = F32(0.0)
-                    acc1 = F32(0.0)  # two partial sums halve the dependency chain
-                    if lane == i:
-                        acc0 = F32(1.0)
-                    for j in cutlass.range_constexpr(i):
-                        if cutlass.const_expr(j % 2 == 0):
-                            acc0 = acc0 - arow[j // 4, j % 4] * col[j]
-                        else:
-                            acc1 = acc1 - arow[j // 4, j % 4] * col[j]
-                    col[i] = acc0 + acc1
-                else:
-                    n_acc = self.subst_accs
-                    acc = cute.make_rmem_tensor(cute.make_layout(n_acc), F32)
-                    acc.fill(0.0)
-                    if lane == i:
-                        acc[0] = F32(1.0)
-                    for j in cutlass.range_constexpr(i):
-                        acc[j % n_acc] = acc[j % n_acc] - arow[j // 4, j % 4] * col[j]
-                    total = acc[0]
-                    for a in cutlass.range_constexpr(1, n_acc):
-                        total = total + acc[a]
-                    col[i] = total
+                acc0 = F32(0.0)
+                acc1 = F32(0.0)  # two partial sums halve the dependency chain (four measured no faster)
+                if lane == i:
+                    acc0 = F32(1.0)
+                for j in cutlass.range_constexpr(i):
+                    if cutlass.const_expr(j % 2 == 0):
+                        acc0 = acc0 - arow[j // 4, j % 4] * col[j]
+                    else:
+                        acc1 = acc1 - arow[j // 4, j % 4] * col[j]
+                col[i] = acc0 + acc1
                 sT[base + i, base + lane] = col[i]
         else:
             if warp % 2 == 0:
@@ -1131,7 +1113,6 @@ def compile_targets():
         "scalar_offdiag": build(cutlass.BFloat16, **full, packed_offdiag=False),
         "simt_inverse": build(cutlass.BFloat16, **full, inv_wgmma=False),
         "prefetch": build(cutlass.BFloat16, **full, prefetch_ahead=132),
-        "subst4": build(cutlass.BFloat16, **full, subst_accs=4),
         "two_wg": build(cutlass.BFloat16, **full, warpgroups=2, inv_wgmma=False),
         "two_wg_fp32_gate_gva": build(cutlass.Float32, **{**full, "use_beta_sigmoid": False, "group": 2},
                                       warpgroups=2, inv_wgmma=False),
