@@ -131,6 +131,9 @@ for s in $steps; do
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
+    kda_exact_suite)  # KDA prefill with a log-space gate given: the exact SIMT stage 1 against FLA (8 configs)
+        step kda_exact_suite 200 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda_exact --mode both \
+            --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
     decode_suite)  # the public decode ops against FLA (the eager rows move with the host fast path)
         step decode_suite 110 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite decode --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.15 ;;
