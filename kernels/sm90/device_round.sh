@@ -123,6 +123,10 @@ for s in $steps; do
         for a in 1 0 1 0; do
             step kda_split_pdl$a 75 env CULA_KDA_PDL=$a python3 -m cula.kernels.sm90.kda_fwd --check --split pdl
         done ;;
+    pfsweep)  # stage 1's L2 prefetch distance (CTAs ahead; 66 is the default since session 9): splits per distance
+        for n in 66 33 99 16 66; do
+            step kda_split_pf$n 60 env CULA_KDA_TC_PREFETCH=$n python3 -m cula.kernels.sm90.kda_fwd --check --split all
+        done ;;
     eager_probe)  # host timestamps + profiler trace of the timer's eager loop (small-B decode rows)
         step eager_probe_l 60 python3 -m cula.bench.eager_probe --variant lightning --B 1 --H 8
         step eager_probe_k 60 python3 -m cula.bench.eager_probe --variant kda --B 1 --H 8 ;;
