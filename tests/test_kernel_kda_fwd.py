@@ -83,7 +83,8 @@ def test_supports_reports_not_validated_on_cpu():
     assert isinstance(reason, str) and reason
 
 
-@pytest.mark.parametrize("target,needs_wgmma", [("intra", False), ("intra_blocked_inverse", False), ("intra_v2", False),
+@pytest.mark.parametrize("target,needs_wgmma", [("intra", False), ("intra_prefetch", False),
+                                               ("intra_blocked_inverse", False), ("intra_v2", False),
                                                ("intra_v2_blocked_inverse", False), ("recur", True),
                                                ("recur_v_first", True), ("recur_v2", True),
                                                ("recur_v2_v_first", True), ("recur_v2_no_state", True),
@@ -100,6 +101,8 @@ def test_ptx_compiles_clean(target, needs_wgmma):
     assert rep.kernels, "ptxas reported no kernel"
     assert rep.spill_bytes == 0
     assert rep.max_registers <= 255
+    if target in ("intra", "intra_prefetch"):  # a later CTA's q, k, v rows (2 lines each), fp32 g rows (4)
+        assert rep.count("prefetch.global.L2") == (10 if target == "intra_prefetch" else 0)
     if target.startswith("intra_v2"):  # 2 CTAs x 256 threads per SM (its launch bound)
         assert rep.max_registers <= 128
     if needs_wgmma and target.startswith("recur"):

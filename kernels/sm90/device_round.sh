@@ -138,6 +138,13 @@ for s in $steps; do
     kda_exact_suite)  # KDA prefill with a log-space gate given: the exact SIMT stage 1 against FLA (8 configs)
         step kda_exact_suite 200 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda_exact --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
+    simt_pf)  # the SIMT stage 1's L2 prefetch of a later CTA's inputs (off by default): checks, then A/B/A splits
+        step simt_pf_check 150 env CULA_KDA_SIMT_PREFETCH=66 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --no-tc --cases T65-gva-vfirst,varlen-33
+        for n in 0 66 0 132; do
+            step kda_split_simt_pf$n 90 env CULA_KDA_SIMT_PREFETCH=$n python3 -m cula.kernels.sm90.kda_fwd --check \
+                --no-tc --split all
+        done ;;
     decode_suite)  # the public decode ops against FLA (the eager rows move with the host fast path)
         step decode_suite 110 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite decode --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.15 ;;

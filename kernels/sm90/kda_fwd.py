@@ -511,7 +511,7 @@ def kda_fwd(
             has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
             use_lower_bound=bool(use_gate_in_kernel and lower_bound is not None),
             use_beta_sigmoid=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval),
-            group=HV // H, inverse=INTRA_INVERSE, variant=INTRA_VARIANT,
+            group=HV // H, inverse=INTRA_INVERSE, variant=INTRA_VARIANT, prefetch_ahead=intra.PREFETCH_AHEAD,
         )
         _launcher("intra", (tuple(sorted(flags.items())), dts), lambda: intra.KdaFwdIntra(**flags),
                   _intra_specs(*dts))(*intra_values)

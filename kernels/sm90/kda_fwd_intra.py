@@ -28,6 +28,8 @@ import math
 import cutlass
 import cutlass.cute as cute
 
+from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
+
 CHUNK = 64  # tokens per chunk (FLA's chunk_size)
 DK = 128  # key head dim (the only one this kernel is built for)
 DV = 128  # value head dim
@@ -64,6 +66,10 @@ V2_UNION_FLOATS = max(3 * SUB * PAD, CHUNK * (CHUNK + 1) + SUB * (CHUNK + 1))
 V2_SMEM_BYTES = (4 * CHUNK * PAD + 2 * 2 * CHUNK * PAD_BF16 + 4 * CHUNK * (CHUNK + 1) + 4 * V2_UNION_FLOATS
                  + 4 * CHUNK + 4 * 2 * CHUNK)
 SMEM_PER_SM = 233472  # H100/H200: 228 KB per SM (answers the DSL's device query on a CPU compile)
+#: v1 asks L2 (per-thread ``prefetch.global.L2``, 2 lines a thread for bf16 inputs) for the q, k, v, g rows
+#: of the CTA this many places later in launch order (0: off), as the tensor-core stage 1 does since
+#: session 9 (6-8% faster there). Off until measured on this kernel: ``CULA_KDA_SIMT_PREFETCH`` for A/B.
+PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_SIMT_PREFETCH", "0"))
 
 
 class KdaFwdIntra:
@@ -81,7 +87,9 @@ class KdaFwdIntra:
         group: int,
         inverse: str = "column",
         variant: str = "v1",
+        prefetch_ahead: int = 0,
     ):
+        self.prefetch_ahead = prefetch_ahead  # v1: CTAs ahead whose inputs this CTA asks L2 for (0: none)
         self.use_qk_l2norm = use_qk_l2norm
         self.use_gate = use_gate
         self.has_a_log = has_a_log
@@ -178,6 +186,8 @@ class KdaFwdIntra:
         tok0 = mChunks[chunk, 0]
         nvalid = mChunks[chunk, 1]
         row0 = chunk * CHUNK
+        if cutlass.const_expr(self.prefetch_ahead > 0):
+            self.prefetch_later_chunk(mQ, mK, mV, mG, mChunks, tidx, chunk, hv)
 
         f32 = cutlass.Float32
         smem = cutlass.utils.SmemAllocator()
@@ -417,6 +427,29 @@ class KdaFwdIntra:
             i = 2 * m + half
             mW[hv, row0 + i, d] = acc_w[m].to(mW.element_type)
             mU[hv, row0 + i, d] = acc_u[m].to(mU.element_type)
+
+    @cute.jit
+    def prefetch_later_chunk(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
+                             mChunks: cute.Tensor, tidx, chunk, hv):
+        """Ask L2 for the q, k, v, g rows of the CTA ``prefetch_ahead`` places later in launch order
+        (chunk fastest, then head): thread t takes row t % 64 of tensor t // 64 (q, k, v, g), every
+        128-byte line of it."""
+        NC = mChunks.shape[0]
+        HV = mV.shape[1]
+        nxt = hv * NC + chunk + self.prefetch_ahead
+        if nxt < HV * NC:
+            hv_n = nxt // NC
+            c_n = nxt - hv_n * NC
+            row = tidx % CHUNK
+            if row < mChunks[c_n, 1]:
+                tok = mChunks[c_n, 0] + row
+                which = tidx // CHUNK
+                for i, (m, head) in enumerate(((mQ, hv_n // self.group), (mK, hv_n // self.group),
+                                               (mV, hv_n), (mG, hv_n))):
+                    if which == i:
+                        per_line = LINE_BYTES * 8 // m.element_type.width
+                        for ln in cutlass.range_constexpr(m.shape[2] // per_line):
+                            prefetch_line_l2(m.iterator + (tok * m.shape[1] + head) * m.shape[2] + ln * per_line)
 
     @cute.kernel
     def kernel_v2(
@@ -824,4 +857,5 @@ def compile_targets():
         "blocked_inverse": build(cutlass.BFloat16, **{**full, "inverse": "blocked"}),
         "v2": build(cutlass.BFloat16, **{**full, "variant": "v2"}),
         "v2_blocked_inverse": build(cutlass.BFloat16, **{**full, "variant": "v2", "inverse": "blocked"}),
+        "prefetch": build(cutlass.Float32, **{**full, "prefetch_ahead": 66}),
     }
