@@ -92,7 +92,7 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_fp32_gate", True), ("intra_tc_plain_gva", True),
                                                ("intra_tc_scalar_offdiag", True), ("intra_tc_two_wg", True),
                                                ("intra_tc_two_wg_fp32_gate_gva", True), ("intra_tc_simt_inverse", True),
-                                               ("intra_tc_prefetch", True)])
+                                               ("intra_tc_prefetch", True), ("intra_tc_pdl_end", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -133,7 +133,8 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         # the wgmma inverse step (the default with one warpgroup) adds 2 products x 3 hi/lo passes x 2
         # k-blocks (m64n64k16, A from registers)
         inv = 0 if two or target.endswith("simt_inverse") else 12
-        # every CTA lets stage 2 launch as soon as it is resident (one instruction, before anything else)
+        # every CTA lets stage 2 launch as soon as it is resident (one instruction, before anything else;
+        # pdl_end: after its work, one instruction too)
         assert rep.count("griddepcontrol.launch_dependents") == 1
         assert rep.count("wgmma.mma_async") == (36 if two else 72) + inv
         assert rep.count("cp.async.bulk.tensor") == 5  # TMA stores: aqk, w and u (two 64-column boxes)

@@ -127,6 +127,12 @@ for s in $steps; do
         for n in 66 33 99 16 66; do
             step kda_split_pf$n 60 env CULA_KDA_TC_PREFETCH=$n python3 -m cula.kernels.sm90.kda_fwd --check --split all
         done ;;
+    pdl_long)  # why stage 2's programmatic launch slows long rows: trigger at start / end / none, all rows on
+        for t in start end none; do
+            step kda_split_pdl_$t 75 env CULA_KDA_PDL_MAX_CTAS=1000000000 CULA_KDA_PDL_TRIGGER=$t \
+                python3 -m cula.kernels.sm90.kda_fwd --check --split pdl
+        done
+        step kda_split_pdl_off 75 env CULA_KDA_PDL=0 python3 -m cula.kernels.sm90.kda_fwd --check --split pdl ;;
     eager_probe)  # host timestamps + profiler trace of the timer's eager loop (small-B decode rows)
         step eager_probe_l 60 python3 -m cula.bench.eager_probe --variant lightning --B 1 --H 8
         step eager_probe_k 60 python3 -m cula.bench.eager_probe --variant kda --B 1 --H 8 ;;

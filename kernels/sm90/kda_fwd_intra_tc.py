@@ -120,14 +120,16 @@ class KdaFwdIntraTC:
         packed_offdiag: bool = True,
         warpgroups: int = 1,
         inv_wgmma: bool = True,
-        pdl_trigger: bool = True,
+        pdl_trigger: str = "start",
         prefetch_ahead: int = PREFETCH_AHEAD,
     ):
         assert warpgroups in (1, 2), warpgroups
         assert not (inv_wgmma and warpgroups != 1), "the wgmma inverse step is written for one warpgroup"
         self.inv_wgmma = inv_wgmma
-        # signal griddepcontrol.launch_dependents on entry: stage 2 (launched with programmatic dependent
-        # launch) may start once every CTA of this grid is resident, i.e. during the last wave
+        # when to signal griddepcontrol.launch_dependents: "start" (on entry: stage 2, launched with
+        # programmatic dependent launch, may start once every CTA of this grid is resident, i.e. during
+        # the last wave), "end" (after the chunk's work) or "" (never: stage 2 starts at this grid's end)
+        assert pdl_trigger in ("start", "end", ""), pdl_trigger
         self.pdl_trigger = pdl_trigger
         self.prefetch_ahead = prefetch_ahead  # CTAs ahead whose inputs this CTA asks L2 for (0: none)
         self.use_qk_l2norm = use_qk_l2norm
@@ -266,7 +268,7 @@ class KdaFwdIntraTC:
         scale: cutlass.Float32,
         lower_bound: cutlass.Float32,
     ):
-        if cutlass.const_expr(self.pdl_trigger):
+        if cutlass.const_expr(self.pdl_trigger == "start"):
             cute.arch.griddepcontrol_launch_dependents()
         # The sync-free varlen tables end in dummy chunks (nvalid = 0) that nobody reads: leave at once.
         chunk, _, _ = cute.arch.block_idx()
@@ -278,6 +280,8 @@ class KdaFwdIntraTC:
                 kh_layout, x_layout, tb_layout, w_layout, aqk_layout, H, HV, NC, scale,
                 lower_bound,
             )
+        if cutlass.const_expr(self.pdl_trigger == "end"):
+            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def prefetch_later_chunk(self, pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pG: cute.Pointer,
@@ -1113,6 +1117,7 @@ def compile_targets():
         "scalar_offdiag": build(cutlass.BFloat16, **full, packed_offdiag=False),
         "simt_inverse": build(cutlass.BFloat16, **full, inv_wgmma=False),
         "prefetch": build(cutlass.BFloat16, **full, prefetch_ahead=132),
+        "pdl_end": build(cutlass.BFloat16, **full, pdl_trigger="end"),
         "two_wg": build(cutlass.BFloat16, **full, warpgroups=2, inv_wgmma=False),
         "two_wg_fp32_gate_gva": build(cutlass.Float32, **{**full, "use_beta_sigmoid": False, "group": 2},
                                       warpgroups=2, inv_wgmma=False),
