@@ -493,13 +493,15 @@ def test_split_builds_the_suites_varlen_shapes(monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "serial"])
-def test_gpu_chained_calls_equal_one_call(monkeypatch, pdl):
+@pytest.mark.parametrize("pdl,stage1", [(True, "tc"), (False, "tc"), (True, "simt")],
+                         ids=["pdl", "serial", "pdl-simt"])
+def test_gpu_chained_calls_equal_one_call(monkeypatch, pdl, stage1):
     """Prefill in pieces, each call's initial state the previous call's final state, equals one call
     bitwise (the pieces end on chunk boundaries, so every chunk and every state update is the same).
     With programmatic dependent launch, stage 2 reads its initial state before waiting for stage 1:
-    this is what would see a previous call's final state half written. Eight heads x 4096 tokens keep
-    stage 1 several waves long; repeated 5 times, on one stream, with no sync in between."""
+    this is what would see a previous call's final state half written. Sixteen heads x 2 x 4096 tokens keep
+    stage 1 several waves long; repeated 5 times, on one stream, with no sync in between. ``simt``: a
+    log-space gate given (FLA's defaults), so the exact SIMT stage 1 runs, which never signals early."""
     from cula.kernels.sm90 import kda_fwd_recur as kr
 
     monkeypatch.setattr(kr, "PDL", pdl)
@@ -511,6 +513,11 @@ def test_gpu_chained_calls_equal_one_call(monkeypatch, pdl):
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
               A_log=torch.randn(H, device=dev, generator=gen), dt_bias=torch.randn(H * D, device=dev) * 0.1,
               lower_bound=-5.0, safe_gate=True, output_final_state=True)
+    if stage1 == "simt":
+        g = torch.nn.functional.logsigmoid(g.float()).to(torch.bfloat16)
+        kw = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True)
+    assert kda_fwd.intra_kind(kw["use_qk_l2norm_in_kernel"], kw.get("use_gate_in_kernel", False),
+                              kw.get("lower_bound")) == stage1
     h0 = torch.randn(B, H, D, D, device=dev, generator=gen) * 0.1
     o_full, ht_full = kda_fwd.kda_fwd(q, k, v, g, beta, initial_state=h0, **kw)
     cuts = (0, 1024, 1088, 3072, T)  # pieces of 1024, 64, 1984 and 1024 tokens
