@@ -130,7 +130,7 @@ for s in $steps; do
     pdl_long)  # why stage 2's programmatic launch slows long rows: trigger at start / end / none, all rows on
         step pdl_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "chained_calls"
-        for t in start end none; do
+        for t in start tail end none; do
             step kda_split_pdl_$t 75 env CULA_KDA_PDL_MAX_CTAS=1000000000 CULA_KDA_PDL_TRIGGER=$t \
                 python3 -m cula.kernels.sm90.kda_fwd --check --split pdl
         done
