@@ -531,3 +531,22 @@ def test_gpu_chained_calls_equal_one_call(monkeypatch, pdl, stage1):
         torch.cuda.synchronize()
         assert torch.equal(torch.cat(outs, 1), o_full)
         assert torch.equal(state, ht_full)
+
+
+def test_simt_stage1_inputs_go_to_fla_unless_asked(monkeypatch):
+    """Inputs outside the tensor-core stage 1 (its SIMT stage 1 measured 0.44x FLA) are handed to FLA when
+    FLA is installed; CULA_KERNELS=kda_fwd_simt keeps them on the kernel, and without FLA it runs them."""
+    pytest.importorskip("cutlass")
+    from cula import _dispatch
+
+    monkeypatch.delenv("CULA_KERNELS", raising=False)
+    monkeypatch.setattr(_dispatch, "fla_installed", lambda: True)
+    assert kda_fwd.simt_reason(True, True, -5.0) is None  # the suite's flags: tensor cores
+    for flags in ((False, True, -5.0), (True, False, None), (True, True, None), (True, True, -12.0)):
+        reason = kda_fwd.simt_reason(*flags)
+        assert reason is not None and "0.44x FLA" in reason and "CULA_KERNELS=kda_fwd_simt" in reason, flags
+    monkeypatch.setenv("CULA_KERNELS", "kda_fwd_simt")
+    assert kda_fwd.simt_reason(True, False, None) is None
+    monkeypatch.delenv("CULA_KERNELS")
+    monkeypatch.setattr(_dispatch, "fla_installed", lambda: False)
+    assert kda_fwd.simt_reason(True, False, None) is None

@@ -143,8 +143,9 @@ for s in $steps; do
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
-    kda_exact_suite)  # KDA prefill with a log-space gate given: the exact SIMT stage 1 against FLA (8 configs)
-        step kda_exact_suite 200 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda_exact --mode both \
+    kda_exact_suite)  # log-space gate given: the SIMT stage 1 (opted in: dispatch hands these to FLA) vs FLA
+        step kda_exact_suite 200 env CULA_GIT_DIRTY=0 CULA_KERNELS=kda_fwd_simt python3 -m cula.cli bench \
+            --suite kda_exact --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
     simt_pf)  # the SIMT stage 1's L2 prefetch of a later CTA's inputs (off by default): checks, then A/B/A splits
         step simt_pf_check 150 env CULA_KDA_SIMT_PREFETCH=66 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \

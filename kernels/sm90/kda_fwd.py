@@ -44,6 +44,9 @@ INTRA_VARIANT = "v1"
 # accuracy the SIMT kernel's fp32 T keeps). Everything else takes the SIMT stage 1 above.
 INTRA_TC = True
 DISPATCH_OFF: str | None = None
+#: ``CULA_KERNELS`` name that keeps the inputs of the SIMT stage 1 on this kernel although FLA is faster
+#: there (see ``simt_reason``).
+SIMT_OPT_IN = "kda_fwd_simt"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -100,7 +103,29 @@ def supports(
     misaligned = _misaligned(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     if misaligned:
         return f"cula-sm90 kda_fwd: {misaligned}"
-    return None
+    return simt_reason(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound)
+
+
+def simt_reason(use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_bound: float | None) -> str | None:
+    """Why dispatch hands inputs that need the exact SIMT stage 1 to FLA, or None.
+
+    Only the tensor-core stage 1 is faster than FLA. The SIMT one (every input without q/k l2norm, or
+    without the in-kernel gate and a lower bound, e.g. FLA's default call with a log-space ``g``) took
+    10.8 ms alone at B1 T16384 H64, against 3.6 ms for FLA's whole forward (2026-12-02 split; run
+    20261202-172916: 0.44x FLA fixed-length, 0.29x varlen). So those inputs go to FLA when it is
+    installed; ``CULA_KERNELS=kda_fwd_simt`` keeps them here (the ``kda_exact`` suite measures that),
+    and without FLA this kernel still beats the torch reference by far.
+    """
+    from cula._dispatch import fla_installed, opted_in
+    from cula.kernels.sm90.kda_fwd_intra_tc import MIN_LOWER_BOUND
+
+    if intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound) == "tc":
+        return None
+    if opted_in(SIMT_OPT_IN) or not fla_installed():
+        return None
+    return ("cula-sm90 kda_fwd: these inputs need its exact SIMT stage 1 (the tensor-core one takes "
+            f"use_qk_l2norm_in_kernel with use_gate_in_kernel and a lower_bound in [{MIN_LOWER_BOUND:g}, 0]), "
+            f"which measured 0.44x FLA; FLA runs them (CULA_KERNELS={SIMT_OPT_IN} keeps them here)")
 
 
 #: Byte alignment the kernels are compiled for (16-byte vector and TMA accesses; beta is read by element).
