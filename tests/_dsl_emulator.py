@@ -311,8 +311,10 @@ class _Barrier:
 
 
 class _CTA:
-    def __init__(self, block: tuple[int, int, int], threads: int, timeout: float):
+    def __init__(self, block: tuple[int, int, int], threads: int, timeout: float,
+                 grid: tuple[int, int, int] = (1, 1, 1)):
         self.block = block
+        self.grid = grid
         self.barrier = _Barrier(threads, timeout)
         # per warp: its barrier and two slot arrays, used by alternate shuffles (see _shuffle_sync_bfly)
         self.warps = [(_Barrier(32, timeout), ([None] * 32, [None] * 32)) for _ in range(threads // 32)]
@@ -329,6 +331,10 @@ def _thread_idx():
 
 def _block_idx():
     return _tls.cta.block
+
+
+def _grid_dim():
+    return _tls.cta.grid
 
 
 def _sync_threads():
@@ -401,8 +407,8 @@ def _math(fn):
 
 
 cute = types.SimpleNamespace(
-    arch=types.SimpleNamespace(thread_idx=_thread_idx, block_idx=_block_idx, sync_threads=_sync_threads,
-                               shuffle_sync_bfly=_shuffle_sync_bfly),
+    arch=types.SimpleNamespace(thread_idx=_thread_idx, block_idx=_block_idx, grid_dim=_grid_dim,
+                               sync_threads=_sync_threads, shuffle_sync_bfly=_shuffle_sync_bfly),
     math=types.SimpleNamespace(exp=_math(math.exp), log=_math(math.log),
                                rsqrt=_math(lambda x: 1.0 / math.sqrt(x)), exp2=_math(lambda x: 2.0 ** x)),
     make_layout=lambda shape, stride=None: Layout(shape, stride),
@@ -482,7 +488,7 @@ def _launch(kernel: Callable, grid: Sequence[int], threads: int, args: Sequence[
     for bz in range(grid[2]):
         for by in range(grid[1]):
             for bx in range(grid[0]):
-                cta = _CTA((bx, by, bz), threads, timeout)
+                cta = _CTA((bx, by, bz), threads, timeout, tuple(grid))
 
                 def body(tid: int, cta=cta) -> None:
                     _tls.tid, _tls.cta, _tls.shuffles, _tls.wake = tid, cta, 0, threading.Lock()

@@ -152,3 +152,44 @@ def test_emulator_shuffles_exchange_each_rounds_values():
     buf = emu.Tensor(emu.Pointer([float("nan")] * 64, 0, emu.Float32, "out"), emu.Layout(64))
     emu.launch(_butterfly_total, [1, 1, 1], 64, (buf,))
     assert [float(buf[i]) for i in range(64)] == [float(sum(range(32)))] * 32 + [float(sum(range(32, 64)))] * 32
+
+
+@pytest.mark.parametrize("v_first,pool", [(False, "pool"), (True, "inplace"), (False, "plain")])
+def test_emulated_state_prefetch_asks_for_the_later_ctas_tiles(monkeypatch, v_first, pool):
+    """``STATE_PREFETCH_AHEAD``: each 4-warp CTA asks L2 for exactly the 128-byte lines of the state tile
+    of the CTA N places later in launch order (V slice fastest, then head, then batch row): its pool
+    slot, skipped slots (row 1 of a pool) asking for nothing; and the outputs are unchanged."""
+    from collections import Counter
+
+    N, B, T, H, HV, K, V = 3, 3, 2, 1, 2, 64, 64
+    monkeypatch.setattr(kd, "STATE_PREFETCH_AHEAD", N)
+    monkeypatch.setattr(kd, "pick_warps", lambda B, HV, V: 4)
+    asked = []
+    monkeypatch.setitem(globals(), "HELPERS", {**HELPERS, "prefetch_line_l2": lambda ptr: asked.append(ptr.offset)})
+    case = db.DecodeCase("kda", B, T, H, HV, K=K, V=V, state_v_first=v_first, pool=pool,
+                         flags=db.KDA_SERVING_FLAGS, seed=17)
+    inputs = db.make_inputs(case, device="cpu")
+    h0 = inputs["initial_state"]
+    o_ref, s_ref = db.reference(case, {**inputs, "initial_state": h0.clone()})
+    o, ht = run_emulated(monkeypatch, kd, inputs)
+    assert db.rel_err(o, o_ref) < 6e-3 and db.rel_err(ht, s_ref) < 1e-6
+
+    idx = inputs.get("state_indices")
+    slots = [int(idx[b]) if idx is not None else b for b in range(B)]
+    v_cta, nvs = 32, V // 32  # 4 warps x 8 values
+    want = Counter()
+    for c in range(B * HV * nvs):
+        b, hv = c // (HV * nvs), (c // nvs) % HV
+        t = c + N
+        if slots[b] < 0 or t >= B * HV * nvs:
+            continue
+        b_n, hv_n, vs_n = t // (HV * nvs), (t // nvs) % HV, t % nvs
+        if slots[b_n] < 0:
+            continue
+        head = (slots[b_n] * HV + hv_n) * K * V
+        if v_first:  # rows vs_n*32 .. +32 of [V, K]: one contiguous tile, 32 floats a line
+            want.update(head + vs_n * v_cta * K + line * 32 for line in range(v_cta * K // 32))
+        else:  # rows 0..K-1 of [K, V], the tile's 32 values of each: one line a row
+            want.update(head + r * V + vs_n * v_cta for r in range(K))
+    assert want and Counter(asked) == want
+    assert all(0 <= a < h0.numel() for a in asked)
