@@ -179,7 +179,7 @@ def test_emulated_state_prefetch_asks_for_the_later_ctas_tiles(monkeypatch, v_fi
     v_cta, nvs = 32, V // 32  # 4 warps x 8 values
     want = Counter()
     for c in range(B * HV * nvs):
-        b, hv = c // (HV * nvs), (c // nvs) % HV
+        b = c // (HV * nvs)
         t = c + N
         if slots[b] < 0 or t >= B * HV * nvs:
             continue
