@@ -48,7 +48,8 @@ def run_intra(kernel_kwargs, args, kw, cu):
     q, k, v, g, beta = args
     B, T, H, K = q.shape
     HV = v.shape[2]
-    qf, kq, vf, gf, bf, cu_all = kf._flatten(q, k, v, g, beta, cu)
+    qf, kq, vf, gf, bf = kf._flatten(q, k, v, g, beta)
+    cu_all = cu if cu is not None else kf._fixed_cu_seqlens(B, T, q.device)
     chunks, seqs, NC = kf.chunk_tables(cu_all)
     R = NC * 64
     bf16 = torch.bfloat16

@@ -112,7 +112,7 @@ for s in $steps; do
         done ;;
     pdl)  # stage 2 launched programmatically behind stage 1 (CULA_KDA_PDL): GPU checks, then A/B/A splits
         step pdl_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
-            -k "chained_calls"
+            -k "chained_calls or two_kernels"
         step kda_check_pdl 150 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases tc-varlen-33,tc-T65-gva-vfirst,tc-varlen-zero,tc-T1
         for a in 0 1 0; do
@@ -129,7 +129,7 @@ for s in $steps; do
         done ;;
     pdl_long)  # why stage 2's programmatic launch slows long rows: trigger at start / end / none, all rows on
         step pdl_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
-            -k "chained_calls"
+            -k "chained_calls or two_kernels"
         for t in start tail end none; do
             step kda_split_pdl_$t 75 env CULA_KDA_PDL_MAX_CTAS=1000000000 CULA_KDA_PDL_TRIGGER=$t \
                 python3 -m cula.kernels.sm90.kda_fwd --check --split pdl

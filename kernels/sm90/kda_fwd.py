@@ -251,12 +251,16 @@ def _dummy(device) -> torch.Tensor:
     return t
 
 
-def _flatten(q, k, v, g, beta, cu_seqlens):
+def _flatten(q, k, v, g, beta):
+    """q, k, v, g, beta with the batch and time dims merged (views)."""
     B, T = q.shape[:2]
-    if cu_seqlens is None:
-        cu_seqlens = torch.arange(B + 1, device=q.device, dtype=torch.int64) * T
-    flat = [x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    return (*flat, cu_seqlens)
+    return tuple(x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
+
+
+def _fixed_cu_seqlens(B: int, T: int, device) -> torch.Tensor:
+    """The cu_seqlens of ``B`` sequences of ``T`` tokens (the emulation's chunk tables need them; the
+    kernel path keeps cached tables instead, so a fixed-length call launches nothing but its kernels)."""
+    return torch.arange(B + 1, device=device, dtype=torch.int64) * T
 
 
 def _gate_and_norm(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
@@ -286,7 +290,8 @@ def emulate_stages(q, k, v, g, beta, scale=None, initial_state=None, output_fina
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scale = K ** -0.5 if scale is None else scale
-    qf, kf, vf, gf, bf, cu = _flatten(q, k, v, g, beta, cu_seqlens)
+    qf, kf, vf, gf, bf = _flatten(q, k, v, g, beta)
+    cu = cu_seqlens if cu_seqlens is not None else _fixed_cu_seqlens(B, T, q.device)
     qf, kf, gf, bf = _gate_and_norm(qf, kf, gf, bf, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
                                     dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, dtype)
     vf = vf.to(dtype)
@@ -477,8 +482,7 @@ def kda_fwd(
     dev = q.device
     TT = B * T
     scale = K ** -0.5 if scale is None else float(scale)
-    qf, kf, vf, gf, bf, cu = _flatten(q, k, v, g, beta, cu_seqlens)
-    qf, kf, vf, gf, bf = (x.contiguous() for x in (qf, kf, vf, gf, bf))
+    qf, kf, vf, gf, bf = (x.contiguous() for x in _flatten(q, k, v, g, beta))
     too_big = _too_big(TT, HV, cu_seqlens, B)
     if too_big:
         raise ValueError(f"kda_fwd: {too_big}; split the batch")
@@ -496,7 +500,7 @@ def kda_fwd(
     if cu_seqlens is None:
         chunks, seqs, NC = fixed_length_tables(B, T, dev)
     elif return_scratch:  # exact chunk count (one sync): the checks compare the scratch row for row
-        chunks, seqs, NC = chunk_tables(cu.to(dev))
+        chunks, seqs, NC = chunk_tables(cu_seqlens.to(dev))
     else:
         chunks, seqs, NC = varlen_tables(cu_seqlens, TT)
     R = NC * CHUNK
