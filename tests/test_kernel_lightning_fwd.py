@@ -145,6 +145,27 @@ def test_fixed_length_aux_offsets():
     assert cu.dtype == torch.int32 and order.dtype == torch.int32
 
 
+def test_varlen_aux_is_cached_per_tensor_and_version():
+    """The int32 cu_seqlens and the longest-first order are made once per tensor; an in-place update of
+    the tensor (a new version) or another tensor with the same values makes them again."""
+    lf._VARLEN_AUX.clear()
+    cu_seqlens = torch.tensor([0, 3, 10, 12], dtype=torch.int64)
+    cu, order = lf._varlen_aux(cu_seqlens, torch.device("cpu"))
+    assert cu.tolist() == [0, 3, 10, 12] and cu.dtype == torch.int32
+    assert order.tolist() == [1, 0, 2] and order.dtype == torch.int32  # lengths 3, 7, 2: longest first
+    again = lf._varlen_aux(cu_seqlens, torch.device("cpu"))
+    assert again[0] is cu and again[1] is order
+    cu_seqlens[1:] = torch.tensor([8, 10, 12])  # in place: lengths 8, 2, 2
+    cu2, order2 = lf._varlen_aux(cu_seqlens, torch.device("cpu"))
+    assert cu2 is not cu and cu2.tolist() == [0, 8, 10, 12] and order2.tolist() == [0, 1, 2]
+    other = lf._varlen_aux(cu_seqlens.clone(), torch.device("cpu"))
+    assert other[0] is not cu2 and other[0].tolist() == cu2.tolist()
+    for n in range(lf._VARLEN_AUX_SIZE + 2):  # bounded: the oldest entries go
+        lf._varlen_aux(torch.tensor([0, n + 1]), torch.device("cpu"))
+    assert len(lf._VARLEN_AUX) == lf._VARLEN_AUX_SIZE
+    lf._VARLEN_AUX.clear()
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------
@@ -338,3 +359,22 @@ def test_fast_launch_on_the_gpu_equals_the_dsl_path(monkeypatch, T, state, lengt
         assert torch.equal(o, o_ref) and (s is None or torch.equal(s, s_ref))
     assert lf._LAUNCHERS and all(launcher.is_fast for launcher in lf._LAUNCHERS.values()), \
         [launcher.fast_reason for launcher in lf._LAUNCHERS.values()]
+
+
+@_gpu
+@pytest.mark.parametrize("lengths", [None, [100, 37, 300]], ids=["fixed", "varlen"])
+def test_gpu_a_warm_call_launches_only_its_kernel(lengths):
+    """After the first call with a cu_seqlens tensor (or of a fixed shape), a call runs the kernel and no
+    other GPU work (no per-call int32 copy or argsort of the lengths: each is a launch, and a graph node)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cula.kernels.sm90.lightning_fwd_check import cula_call
+
+    inp = _inputs(2, 256, 4, lengths=lengths, state=True, cu_dtype=torch.int64)
+    cula_call(inp)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        cula_call(inp)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1 and "lightning" in kernels[0].lower(), kernels

@@ -511,6 +511,29 @@ def _fixed_length_aux(B: int, T: int, device) -> tuple[torch.Tensor, torch.Tenso
     return aux
 
 
+#: Per-tensor varlen aux of recent calls: a model passes one cu_seqlens to every layer, so its int32 copy
+#: and the longest-first order (an argsort: several kernel launches) are made once per tensor and version.
+_VARLEN_AUX: dict[int, tuple] = {}
+_VARLEN_AUX_SIZE = 8
+
+
+def _varlen_aux(cu_seqlens: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 cu_seqlens on ``device`` and the sequences longest first (stable), cached per tensor and
+    in-place version (the tensor is kept alive in the cache, so its id is not reused meanwhile)."""
+    hit = _VARLEN_AUX.get(id(cu_seqlens))
+    if hit is not None and hit[0] is cu_seqlens and hit[1] == cu_seqlens._version and hit[2] == str(device):
+        return hit[3]
+    cu = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
+    order = torch.argsort(cu[1:] - cu[:-1], descending=True, stable=True).to(torch.int32)
+    from cula.kernels.common.fast_launch import stream_capturing
+
+    if not stream_capturing():  # made inside a capture, these hold their values only once it runs
+        if len(_VARLEN_AUX) >= _VARLEN_AUX_SIZE:
+            _VARLEN_AUX.pop(next(iter(_VARLEN_AUX)))
+        _VARLEN_AUX[id(cu_seqlens)] = (cu_seqlens, cu_seqlens._version, str(device), (cu, order))
+    return cu, order
+
+
 def _choose_v_tile(num_seqs: int, num_v_heads: int, device) -> int:
     """64-wide V tiles (2 CTAs per sequence and head) unless that fills less than half the SMs; then
     32-wide tiles double the CTAs (each re-reads Q and K, mostly from L2)."""
@@ -631,8 +654,7 @@ def lightning_fwd(
     if cu_seqlens is None:
         cu, order = _fixed_length_aux(B, T, q.device)
     else:
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-        order = torch.argsort(cu[1:] - cu[:-1], descending=True, stable=True).to(torch.int32)
+        cu, order = _varlen_aux(cu_seqlens, q.device)
     s0 = _dense(initial_state.to(torch.float32)) if initial_state is not None else None
     v_tile = v_tile or _choose_v_tile(N, HV, q.device)
     dummy = o  # any 16-byte aligned device pointer for the state pointers a variant never touches
