@@ -234,3 +234,56 @@ def test_repeated_calls_take_the_planned_path_and_follow_new_inputs():
         beta = torch.rand(1, t, HV, device=DEV).to(BF)
         check(chunk_kda, kda_ref.chunked, (q, k, v, g, beta),
               dict(initial_state=h0, output_final_state=True, cu_seqlens=cu()))
+
+
+def _kernels_of(fn, calls: int = 3) -> list[str]:
+    """Names of the GPU kernels ``calls`` warm calls of ``fn`` run (after one call to warm caches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_public_ops_launch_only_their_kernels_when_warm():
+    """The public ops' per-call layer (validation, plans, allocations) adds no GPU work: a warm call of
+    each op on inputs its cula kernel takes profiles as exactly that kernel's launches (KDA prefill:
+    stage 1 and 2; the others one), fixed length and packed."""
+    from cula.kda import chunk_kda, fused_recurrent_kda
+    from cula.lightning import lightning_attn_decode, lightning_attn_fwd
+
+    hv = h = 4
+    A_log, dt_bias = torch.randn(hv, device=DEV), torch.randn(hv * K, device=DEV) * 0.1
+    flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                 A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, safe_gate=True)
+    cases = []
+    for lengths in (None, (100, 37, 119)):
+        t = 256 if lengths is None else sum(lengths)
+        b = 2 if lengths is None else 1
+        q, k, v = (torch.randn(b, t, h, K, device=DEV, dtype=BF) for _ in range(3))
+        g, beta = torch.randn(b, t, hv, K, device=DEV, dtype=BF), torch.randn(b, t, hv, device=DEV, dtype=BF)
+        c = None if lengths is None else cu(lengths)
+        n = b if lengths is None else len(lengths)
+        s0 = torch.zeros(n, hv, K, V, device=DEV)
+        cases.append((f"chunk_kda {lengths}", 2, lambda q=q, k=k, v=v, g=g, beta=beta, c=c, s0=s0: chunk_kda(
+            q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=c, **flags)))
+        decay = torch.rand(hv, device=DEV)
+        cases.append((f"lightning_attn_fwd {lengths}", 1, lambda q=q, k=k, v=v, decay=decay, c=c, s0=s0:
+                      lightning_attn_fwd(q, k, v, decay, initial_state=s0, output_final_state=True, cu_seqlens=c)))
+    q1, k1, v1 = (torch.randn(8, 1, h, K, device=DEV, dtype=BF) for _ in range(3))
+    g1, b1 = torch.randn(8, 1, hv, K, device=DEV, dtype=BF), torch.randn(8, 1, hv, device=DEV, dtype=BF)
+    pool = torch.zeros(16, hv, K, V, device=DEV)
+    idx = torch.arange(8, device=DEV, dtype=torch.int32) * 2
+    decode_flags = {n: x for n, x in flags.items() if n != "safe_gate"}  # fused_recurrent_kda has none
+    decay1 = torch.rand(hv, device=DEV)
+    cases.append(("fused_recurrent_kda", 1, lambda: fused_recurrent_kda(
+        q1, k1, v1, g1, b1, initial_state=pool, state_indices=idx, inplace=True, **decode_flags)))
+    cases.append(("lightning_attn_decode", 1, lambda: lightning_attn_decode(
+        q1, k1, v1, decay1, initial_state=pool, state_indices=idx, inplace=True)))
+    for name, per_call, fn in cases:
+        kernels = _kernels_of(fn)
+        assert len(kernels) == 3 * per_call, (name, kernels)
