@@ -92,8 +92,9 @@ WARPGROUPS = int(__import__("os").environ.get("CULA_KDA_TC_WARPGROUPS", "1"))
 INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: Each CTA asks L2 (per-thread ``prefetch.global.L2``, 4 lines a thread for bf16 inputs) for the q, k,
 #: v, g rows of the CTA this many places later in launch order (0: off), so that CTA's 32 loads a thread
-#: hit L2. Session 6's version of the idea, a TMA bulk prefetch, made stage 1 1-12% slower; stage 2's
-#: bulk prefetch also lost where its per-thread one won (session 8). ``CULA_KDA_TC_PREFETCH`` for A/B.
+#: hit L2. On since its H200 A/B (session 9: stage 1 6-8% faster at 66, 4.6% at 132; suite graph geomean
+#: 2.29x -> 2.39x). Session 6's TMA bulk prefetch of the same rows was 1-12% slower (the per-thread form
+#: also won over the bulk one in stage 2, session 8). ``CULA_KDA_TC_PREFETCH`` sets it for A/B runs.
 PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
 #: pdl_trigger="tail": how many of the last CTAs in launch order signal (about two waves of 2 x 132)
 PDL_TAIL_CTAS = 528
