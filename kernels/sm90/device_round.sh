@@ -127,6 +127,11 @@ for s in $steps; do
         for n in 66 33 99 16 66; do
             step kda_split_pf$n 60 env CULA_KDA_TC_PREFETCH=$n python3 -m cula.kernels.sm90.kda_fwd --check --split all
         done ;;
+    twowg_small)  # stage 1 on two warpgroups for the short rows (< 2 waves: latency, not throughput, bound)
+        for w in 1 2 1; do
+            step kda_split_small_wg$w 60 env CULA_KDA_TC_WARPGROUPS=$w python3 -m cula.kernels.sm90.kda_fwd --check \
+                --split small
+        done ;;
     pdl_long)  # why stage 2's programmatic launch slows long rows: trigger at start / end / none, all rows on
         step pdl_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             tests/test_kernel_lightning_fwd.py tests/test_api_gpu.py -k "chained_calls or two_kernels or warm_call \
