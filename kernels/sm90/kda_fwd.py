@@ -530,7 +530,8 @@ def kda_fwd(
                         use_beta_sigmoid=bool(use_beta_sigmoid_in_kernel),
                         allow_neg_eigval=bool(allow_neg_eigval), group=HV // H,
                         packed_offdiag=intra_tc.PACKED_OFFDIAG, warpgroups=intra_tc.WARPGROUPS,
-                        inv_wgmma=intra_tc.INV_WGMMA and intra_tc.WARPGROUPS == 1, pdl_trigger=(recur.PDL_TRIGGER if recur.PDL and recur.PDL_TRIGGER != "none" else ""),
+                        inv_wgmma=intra_tc.INV_WGMMA and intra_tc.WARPGROUPS == 1,
+                        pdl_trigger=recur.PDL_TRIGGER if recur.PDL and recur.PDL_TRIGGER != "none" else "",
                         prefetch_ahead=intra_tc.PREFETCH_AHEAD)
         _launcher("intra_tc", (tuple(sorted(tc_flags.items())), dts), lambda: intra_tc.KdaFwdIntraTC(**tc_flags),
                   _intra_specs(*dts))(*intra_values)
