@@ -253,21 +253,20 @@ class KdaDecode:
         return state
 
     @cute.jit
-    def prologue(self, pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b0, T, H, HV, scale,
+    def prologue(self, pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b, T, H, HV, scale,
                  lower_bound):
         """Per-token vectors in shared memory, once per CTA: the gate's decay factors, l2-normalised and
-        scaled q, normalised k, q.k, the beta sigmoid and the CTA's values of v of batch row ``b0``. Token
+        scaled q, normalised k, q.k, the beta sigmoid and the CTA's values of v of batch row ``b``. Token
         t goes to warp ``t % warps``. Returns (sQ, sK, sD, sV, sS)."""
         f32 = cutlass.Float32
         K, V = self.K, self.V
         v_cta = vs * self.v_cta
-        n_tok = MAX_T
         smem = cutlass.utils.SmemAllocator()
-        sQ = smem.allocate_tensor(f32, cute.make_layout((n_tok, K), stride=(K, 1)), 16)
-        sK = smem.allocate_tensor(f32, cute.make_layout((n_tok, K), stride=(K, 1)), 16)
-        sD = smem.allocate_tensor(f32, cute.make_layout((n_tok, K), stride=(K, 1)), 16)
-        sV = smem.allocate_tensor(f32, cute.make_layout((n_tok, self.v_cta), stride=(self.v_cta, 1)), 16)
-        sS = smem.allocate_tensor(f32, cute.make_layout((n_tok, 2), stride=(2, 1)), 16)  # beta, q.k
+        sQ = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
+        sK = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
+        sD = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
+        sV = smem.allocate_tensor(f32, cute.make_layout((MAX_T, self.v_cta), stride=(self.v_cta, 1)), 16)
+        sS = smem.allocate_tensor(f32, cute.make_layout((MAX_T, 2), stride=(2, 1)), 16)  # beta, q.k
 
         kpl = self.kpl
         kk = lane * kpl
@@ -281,8 +280,8 @@ class KdaDecode:
             for j in cutlass.range_constexpr(kpl):
                 bias[j] = load1(pDtBias, hv * K + kk + j).to(f32)
 
-        # all loads of this warp's jobs first, so their latencies overlap; then the math, whose warp
-        # reductions wait on them
+        # all loads of this warp's tokens first (token t -> warp t % warps, slot t // warps), so their
+        # latencies overlap; then the math, whose warp reductions wait on them
         nt = self.slots
         qr = cute.make_rmem_tensor(cute.make_layout((kpl, nt), stride=(1, kpl)), pQ.dtype)
         kr = cute.make_rmem_tensor(cute.make_layout((kpl, nt), stride=(1, kpl)), pK.dtype)
@@ -290,8 +289,8 @@ class KdaDecode:
         vr = cute.make_rmem_tensor(cute.make_layout(nt), pV.dtype)
         br = cute.make_rmem_tensor(cute.make_layout(nt), pBeta.dtype)
         for j in cutlass.range_constexpr(nt):
-            b, t, ts, ok = self.job(warp + j * self.warps, b0, T)
-            if ok != 0:
+            t = warp + j * self.warps
+            if t < T:
                 row_q = (cutlass.Int64(b) * T + t) * H + hq
                 row_v = (cutlass.Int64(b) * T + t) * HV + hv
                 cute.autovec_copy(vec(pQ, row_q * K + kk, kpl, kpl), qr[None, j])
@@ -302,8 +301,8 @@ class KdaDecode:
                 if lane == 0:
                     br[j] = load1(pBeta, row_v)
         for j in cutlass.range_constexpr(nt):
-            b, t, ts, ok = self.job(warp + j * self.warps, b0, T)
-            if ok != 0:
+            t = warp + j * self.warps
+            if t < T:
                 qq = f32(0.0)
                 kk2 = f32(0.0)
                 qk = f32(0.0)
@@ -321,35 +320,27 @@ class KdaDecode:
                     rk = cute.math.rsqrt(warp_sum(kk2) + f32(L2NORM_EPS))
                 qs = rq * scale
                 for e in cutlass.range_constexpr(kpl):
-                    sQ[ts, kk + e] = qr[e, j].to(f32) * qs
-                    sK[ts, kk + e] = kr[e, j].to(f32) * rk
-                    sD[ts, kk + e] = cute.math.exp(self.gate(gr[e, j].to(f32) + bias[e], a_exp, lower_bound))
+                    sQ[t, kk + e] = qr[e, j].to(f32) * qs
+                    sK[t, kk + e] = kr[e, j].to(f32) * rk
+                    sD[t, kk + e] = cute.math.exp(self.gate(gr[e, j].to(f32) + bias[e], a_exp, lower_bound))
                 if lane < self.v_cta:
-                    sV[ts, lane] = vr[j].to(f32)
+                    sV[t, lane] = vr[j].to(f32)
                 if lane == 0:
                     beta = br[j].to(f32)
                     if cutlass.const_expr(self.use_beta_sigmoid):
                         beta = f32(self.beta_mult) / (f32(1.0) + cute.math.exp(-beta))
-                    sS[ts, 0] = beta
-                    sS[ts, 1] = qk * qs * rk
+                    sS[t, 0] = beta
+                    sS[t, 1] = qk * qs * rk
         return sQ, sK, sD, sV, sS
 
     @cute.jit
-    def job(self, jid, b0, T):
-        """(batch row, token, smem row, whether to run) of prologue job ``jid`` (warp-uniform)."""
-        ok = cutlass.Int32(0)
-        if jid < T:
-            ok = cutlass.Int32(1)
-        return b0, jid, jid, ok
-
-    @cute.jit
     def finish_row(self, state, smem, pHt, pO, la, lb, v0w, v0, hv, b, slot, T, HV):
-        """The tokens of batch row ``b``, in order, on the register-resident
-        state, then the state back (the pool slot in place, or the out-of-place final state)."""
+        """The tokens of batch row ``b``, in order, on the register-resident state, then the state back
+        (the pool slot in place, or the out-of-place final state)."""
         sQ, sK, sD, sV, sS = smem
         na, nb = self.tile_shape()
         for t in cutlass.range(T, unroll=1):
-            self.token_step(state, sQ, sK, sD, sV, sS, pO, t, t, la, lb, v0w, v0, b, T, HV, hv)
+            self.token_step(state, sQ, sK, sD, sV, sS, pO, t, la, lb, v0w, v0, b, T, HV, hv)
         if cutlass.const_expr(self.store_state):
             kv = self.K * self.V
             head_out = (cutlass.Int64(b) * HV + hv) * kv
@@ -376,16 +367,15 @@ class KdaDecode:
         return out
 
     @cute.jit
-    def token_step(self, state, sQ, sK, sD, sV, sS, pO, t, ts, la, lb, v0w, v0, b, T, HV, hv):
-        """Token ``t`` (smem row ``ts``) on the thread's state slice; writes its 4 outputs from one lane per
-        group."""
+    def token_step(self, state, sQ, sK, sD, sV, sS, pO, t, la, lb, v0w, v0, b, T, HV, hv):
+        """One token on the thread's state slice; writes its 4 outputs from one lane per group."""
         f32 = cutlass.Float32
         K = self.K
         na, nb = self.tile_shape()
-        beta = sS[ts, 0]
-        qk = sS[ts, 1]
+        beta = sS[t, 0]
+        qk = sS[t, 1]
         vv = cute.make_rmem_tensor(cute.make_layout(4), f32)
-        cute.autovec_copy(vec(sV.iterator, ts * self.v_cta + v0w, 4, 4), vv)
+        cute.autovec_copy(vec(sV.iterator, t * self.v_cta + v0w, 4, 4), vv)
         red = cute.make_rmem_tensor(cute.make_layout(8), f32)  # k^T S' (4), q^T S' (4)
         for e in cutlass.range_constexpr(8):
             red[e] = f32(0.0)
@@ -395,7 +385,7 @@ class KdaDecode:
             kq = cute.make_rmem_tensor(cute.make_layout((4, nb), stride=(1, 4)), f32)
             qq = cute.make_rmem_tensor(cute.make_layout((4, nb), stride=(1, 4)), f32)
             for c in cutlass.range_constexpr(nb):
-                off = ts * K + c * 64 + lb * 4
+                off = t * K + c * 64 + lb * 4
                 cute.autovec_copy(vec(sD.iterator, off, 4, 4), dk[None, c])
                 cute.autovec_copy(vec(sK.iterator, off, 4, 4), kq[None, c])
                 cute.autovec_copy(vec(sQ.iterator, off, 4, 4), qq[None, c])
@@ -422,7 +412,7 @@ class KdaDecode:
             dk = cute.make_rmem_tensor(cute.make_layout(rows), f32)
             kq = cute.make_rmem_tensor(cute.make_layout(rows), f32)
             qq = cute.make_rmem_tensor(cute.make_layout(rows), f32)
-            off = ts * K + la * rows
+            off = t * K + la * rows
             cute.autovec_copy(vec(sD.iterator, off, rows, 4), dk)
             cute.autovec_copy(vec(sK.iterator, off, rows, 4), kq)
             cute.autovec_copy(vec(sQ.iterator, off, rows, 4), qq)
