@@ -447,11 +447,11 @@ class _Launch:
         launch(self.body, [int(g) for g in grid], int(block[0]) * int(block[1]) * int(block[2]), self.args)
 
 
-def emulated_instance(obj: Any, helpers: dict[str, Callable], kernel_name: str | tuple[str, ...] = "kernel") -> Any:
+def emulated_instance(obj: Any, helpers: dict[str, Callable], kernel_name: str = "kernel") -> Any:
     """A copy of kernel configuration ``obj`` whose DSL methods run on the emulator.
 
     Calling the copy runs the host ``__call__`` source; its ``self.<kernel_name>(...).launch(grid, block)``
-    runs the kernel source on every CTA of the grid it computes (several names: each is a kernel entry).
+    runs the kernel source on every CTA of the grid it computes.
     """
     namespace = {"cute": cute, "cutlass": cutlass}
     namespace.update({name: rebind(fn, namespace) for name, fn in helpers.items()})
@@ -460,13 +460,11 @@ def emulated_instance(obj: Any, helpers: dict[str, Callable], kernel_name: str |
     for name, member in vars(cls).items():
         if callable(member) and (not name.startswith("__") or name == "__call__"):
             members[name] = rebind(member, namespace) if hasattr(member, "__wrapped__") else member
-    names = (kernel_name,) if isinstance(kernel_name, str) else kernel_name
-    bodies = {name: members.pop(name) for name in names}
+    body = members.pop(kernel_name)
     emu_cls = type(f"Emulated{cls.__name__}", (), members)
     inst = emu_cls()
     inst.__dict__.update(obj.__dict__)
-    for name, body in bodies.items():
-        setattr(inst, name, lambda *args, body=body: _Launch(lambda *a: body(inst, *a), args))
+    setattr(inst, kernel_name, lambda *args: _Launch(lambda *a: body(inst, *a), args))
     return inst
 
 

@@ -37,7 +37,7 @@ def run_emulated(monkeypatch, module, inputs):
 
     def launcher(key):
         config, dtypes = key
-        kernel = emu.emulated_instance(kernel_cls(*config), HELPERS, "kernel")
+        kernel = emu.emulated_instance(kernel_cls(*config), HELPERS)
         specs = module._specs(dtypes)
 
         def launch(*values):
