@@ -236,23 +236,12 @@ def test_repeated_calls_take_the_planned_path_and_follow_new_inputs():
               dict(initial_state=h0, output_final_state=True, cu_seqlens=cu()))
 
 
-def _kernels_of(fn, calls: int = 3) -> list[str]:
-    """Names of the GPU kernels ``calls`` warm calls of ``fn`` run (after one call to warm caches)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 def test_public_ops_launch_only_their_kernels_when_warm():
     """The public ops' per-call layer (validation, plans, allocations) adds no GPU work: a warm call of
     each op on inputs its cula kernel takes profiles as exactly that kernel's launches (KDA prefill:
     stage 1 and 2; the others one), fixed length and packed."""
+    from _gpu_profile import kernels_of
+
     from cula.kda import chunk_kda, fused_recurrent_kda
     from cula.lightning import lightning_attn_decode, lightning_attn_fwd
 
@@ -285,5 +274,5 @@ def test_public_ops_launch_only_their_kernels_when_warm():
     cases.append(("lightning_attn_decode", 1, lambda: lightning_attn_decode(
         q1, k1, v1, decay1, initial_state=pool, state_indices=idx, inplace=True)))
     for name, per_call, fn in cases:
-        kernels = _kernels_of(fn)
+        kernels = kernels_of(fn, calls=3)
         assert len(kernels) == 3 * per_call, (name, kernels)

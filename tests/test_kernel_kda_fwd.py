@@ -561,18 +561,13 @@ def test_gpu_a_warm_call_launches_only_its_two_kernels(varlen):
     """After the first call of a shape (tables cached), a call runs stage 1 and stage 2 and no other GPU
     work: no per-call cu_seqlens, tables or copies (each would be a kernel launch before stage 1, and
     a node in a captured graph)."""
-    from torch.profiler import ProfilerActivity, profile
+    from _gpu_profile import kernels_of
 
     args, kw = _case(1 if varlen else 2, 512, 4, 4, [0, 100, 260, 512] if varlen else None, seed=1,
                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                      lower_bound=-5.0, safe_gate=True)
     args = [x.cuda().to(torch.bfloat16) for x in args]
     kw = {n: (x.cuda() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
-    kda_fwd.kda_fwd(*args, **kw)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        kda_fwd.kda_fwd(*args, **kw)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = kernels_of(lambda: kda_fwd.kda_fwd(*args, **kw))
     assert len(kernels) == 2, kernels
     assert "intra" in kernels[0].lower() and "recur" in kernels[1].lower(), kernels

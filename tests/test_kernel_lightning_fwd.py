@@ -366,15 +366,10 @@ def test_fast_launch_on_the_gpu_equals_the_dsl_path(monkeypatch, T, state, lengt
 def test_gpu_a_warm_call_launches_only_its_kernel(lengths):
     """After the first call with a cu_seqlens tensor (or of a fixed shape), a call runs the kernel and no
     other GPU work (no per-call int32 copy or argsort of the lengths: each is a launch, and a graph node)."""
-    from torch.profiler import ProfilerActivity, profile
+    from _gpu_profile import kernels_of
 
     from cula.kernels.sm90.lightning_fwd_check import cula_call
 
     inp = _inputs(2, 256, 4, lengths=lengths, state=True, cu_dtype=torch.int64)
-    cula_call(inp)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        cula_call(inp)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = kernels_of(lambda: cula_call(inp))
     assert len(kernels) == 1 and "lightning" in kernels[0].lower(), kernels
