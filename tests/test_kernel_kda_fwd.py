@@ -449,7 +449,10 @@ def test_host_path_passes_one_value_per_spec(monkeypatch, cu, tc):
 def test_tables_built_during_graph_capture_are_not_cached(monkeypatch):
     """Tensors made inside a CUDA-graph capture get their values only when the graph runs: tables
     built then must not be served to later eager calls."""
-    monkeypatch.setattr(kda_fwd, "_capturing", lambda: True)
+    from cula.kernels.common import tensor_cache
+
+    monkeypatch.setattr(kda_fwd, "_capturing", lambda: True)  # the fixed-length tables
+    monkeypatch.setattr(tensor_cache, "stream_capturing", lambda: True)  # the varlen ones
     cu = torch.tensor([0, 5, 70], dtype=torch.int32)
     first = kda_fwd.varlen_tables(cu, 70)[0]
     assert kda_fwd.varlen_tables(cu, 70)[0] is not first

@@ -160,9 +160,9 @@ def test_varlen_aux_is_cached_per_tensor_and_version():
     assert cu2 is not cu and cu2.tolist() == [0, 8, 10, 12] and order2.tolist() == [0, 1, 2]
     other = lf._varlen_aux(cu_seqlens.clone(), torch.device("cpu"))
     assert other[0] is not cu2 and other[0].tolist() == cu2.tolist()
-    for n in range(lf._VARLEN_AUX_SIZE + 2):  # bounded: the oldest entries go
+    for n in range(lf._VARLEN_AUX.size + 2):  # bounded: the oldest entries go
         lf._varlen_aux(torch.tensor([0, n + 1]), torch.device("cpu"))
-    assert len(lf._VARLEN_AUX) == lf._VARLEN_AUX_SIZE
+    assert len(lf._VARLEN_AUX) == lf._VARLEN_AUX.size
     lf._VARLEN_AUX.clear()
 
 

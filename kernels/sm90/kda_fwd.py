@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from cula.kernels.common.fast_launch import sm_count  # the persistent recurrence's CTA cap
+from cula.kernels.common.tensor_cache import PerTensorCache
 
 CHUNK = 64
 HEAD_DIM = 128
@@ -188,9 +189,8 @@ def fixed_length_tables(B: int, T: int, device) -> tuple[torch.Tensor, torch.Ten
 
 
 #: Sequence-sized tables of recent varlen calls: a model passes one cu_seqlens to every layer, so the
-#: tables are built once per tensor (kept alive here, so its address cannot be reused) and version.
-_VARLEN_TABLES: dict[int, tuple] = {}
-_VARLEN_CACHE_SIZE = 8
+#: tables are built once per tensor and version.
+_VARLEN_TABLES = PerTensorCache()
 
 
 def varlen_tables(cu_seqlens: torch.Tensor, total_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -203,9 +203,9 @@ def varlen_tables(cu_seqlens: torch.Tensor, total_tokens: int) -> tuple[torch.Te
     needs no sync and can be captured in a CUDA graph. Built on ``cu_seqlens``' device with torch ops;
     cached per tensor and in-place version.
     """
-    hit = _VARLEN_TABLES.get(id(cu_seqlens))
-    if hit is not None and hit[0] is cu_seqlens and hit[1] == cu_seqlens._version and hit[2] == total_tokens:
-        return hit[3]
+    hit = _VARLEN_TABLES.get(cu_seqlens, total_tokens)
+    if hit is not None:
+        return hit
     cu = cu_seqlens.to(torch.int64)
     n_seq = cu.numel() - 1
     lens = cu[1:] - cu[:-1]
@@ -223,13 +223,7 @@ def varlen_tables(cu_seqlens: torch.Tensor, total_tokens: int) -> tuple[torch.Te
     nvalid = torch.where(real, nvalid, torch.zeros_like(nvalid))
     chunks = torch.stack([tok0, nvalid], 1).to(torch.int32)
     seqs = torch.stack([first, nch], 1).to(torch.int32)
-    tables = (chunks, seqs, nc_max)
-    if _capturing():  # built inside a CUDA-graph capture: the values exist only once the graph runs
-        return tables
-    if len(_VARLEN_TABLES) >= _VARLEN_CACHE_SIZE:
-        _VARLEN_TABLES.pop(next(iter(_VARLEN_TABLES)))
-    _VARLEN_TABLES[id(cu_seqlens)] = (cu_seqlens, cu_seqlens._version, total_tokens, tables)
-    return tables
+    return _VARLEN_TABLES.put(cu_seqlens, total_tokens, (chunks, seqs, nc_max))
 
 
 def _capturing() -> bool:

@@ -32,6 +32,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import make_ptr
 
 from cula.kernels.common.fast_launch import sm_count
+from cula.kernels.common.tensor_cache import PerTensorCache
 from cula.kernels.common.wgmma_frag import a_operand_layout as _a_operand_layout
 
 # ---------------------------------------------------------------------------------------------------
@@ -511,27 +512,19 @@ def _fixed_length_aux(B: int, T: int, device) -> tuple[torch.Tensor, torch.Tenso
     return aux
 
 
-#: Per-tensor varlen aux of recent calls: a model passes one cu_seqlens to every layer, so its int32 copy
-#: and the longest-first order (an argsort: several kernel launches) are made once per tensor and version.
-_VARLEN_AUX: dict[int, tuple] = {}
-_VARLEN_AUX_SIZE = 8
+#: The varlen aux of recent cu_seqlens tensors: the int32 copy and the longest-first order (an argsort:
+#: several kernel launches) are made once per tensor and version.
+_VARLEN_AUX = PerTensorCache()
 
 
 def _varlen_aux(cu_seqlens: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """int32 cu_seqlens on ``device`` and the sequences longest first (stable), cached per tensor and
-    in-place version (the tensor is kept alive in the cache, so its id is not reused meanwhile)."""
-    hit = _VARLEN_AUX.get(id(cu_seqlens))
-    if hit is not None and hit[0] is cu_seqlens and hit[1] == cu_seqlens._version and hit[2] == str(device):
-        return hit[3]
+    """int32 cu_seqlens on ``device`` and the sequences longest first (stable), cached per tensor."""
+    hit = _VARLEN_AUX.get(cu_seqlens, str(device))
+    if hit is not None:
+        return hit
     cu = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
     order = torch.argsort(cu[1:] - cu[:-1], descending=True, stable=True).to(torch.int32)
-    from cula.kernels.common.fast_launch import stream_capturing
-
-    if not stream_capturing():  # made inside a capture, these hold their values only once it runs
-        if len(_VARLEN_AUX) >= _VARLEN_AUX_SIZE:
-            _VARLEN_AUX.pop(next(iter(_VARLEN_AUX)))
-        _VARLEN_AUX[id(cu_seqlens)] = (cu_seqlens, cu_seqlens._version, str(device), (cu, order))
-    return cu, order
+    return _VARLEN_AUX.put(cu_seqlens, str(device), (cu, order))
 
 
 def _choose_v_tile(num_seqs: int, num_v_heads: int, device) -> int:
