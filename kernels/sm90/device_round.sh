@@ -141,14 +141,6 @@ for s in $steps; do
                 python3 -m cula.kernels.sm90.kda_fwd --check --split pdl
         done
         step kda_split_pdl_off 75 env CULA_KDA_PDL=0 python3 -m cula.kernels.sm90.kda_fwd --check --split pdl ;;
-    decode_pf)  # KDA decode's L2 prefetch of a later CTA's state tile (off by default): tests, then off/on/on/off
-        step decode_pf_tests 200 env CULA_KDA_DECODE_PREFETCH=264 python3 -m pytest -q -m gpu -p no:cacheprovider \
-            -rf tests/test_kernel_kda_decode.py -k "over_the_grid or graph_replay or matches_fla"
-        for n in 0 264 528 0; do
-            mkdir -p "$OUT/pf$n"
-            step kda_decode_pf$n 60 env CULA_KDA_DECODE_PREFETCH=$n python3 -m cula.kernels.sm90.decode_bench \
-                --variants kda --batches 16,64,128,256 --heads 32,64 --out "$OUT/pf$n"
-        done ;;
     eager_probe)  # host timestamps + profiler trace of the timer's eager loop (small-B decode rows)
         step eager_probe_l 60 python3 -m cula.bench.eager_probe --variant lightning --B 1 --H 8
         step eager_probe_k 60 python3 -m cula.bench.eager_probe --variant kda --B 1 --H 8 ;;

@@ -62,18 +62,12 @@ from cula.kernels.common.decode_host import (
 )
 from cula.kernels.common.decode_tile import butterfly_sum, load1, vec, warp_sum
 from cula.kernels.common.fast_launch import ArgSpec, compile_launcher, stream_query
-from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
 
 HEAD_DIMS_K = (64, 128, 256)  # K: 16 lanes x K/16 rows (K-first) or 16 lanes x 4 x K/64 (V-first)
 L2NORM_EPS = 1e-6  # FLA's l2norm: x / sqrt(sum(x^2) + eps)
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above it, as FLA's
 #: Flipped to True once tests/test_kernel_kda_decode.py passed on the H200 (supports() says so until then).
 GPU_VALIDATED = True
-#: With 4 warps per CTA (mid and large B), each thread asks L2 for one line of the state tile of the CTA
-#: this many places later in launch order (0: off), so DRAM keeps reading while the resident CTAs are in
-#: their compute and store phases (the stage-1 prefill kernel gained 6-8% from the same idea). Not yet
-#: measured here: ``CULA_KDA_DECODE_PREFETCH`` for A/B runs.
-STATE_PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_DECODE_PREFETCH", "0"))
 
 
 class KdaDecode:
@@ -96,7 +90,6 @@ class KdaDecode:
         inplace: bool,
         has_indices: bool,
         warps: int = 4,
-        prefetch_ahead: int = 0,
     ):
         assert K in HEAD_DIMS_K and V % V_ALIGN == 0 and warps in WARP_CHOICES
         self.K, self.V = K, V
@@ -117,8 +110,6 @@ class KdaDecode:
         self.chunks = K // 64  # V-first: 4-wide K vectors per thread and V row
         self.warps = warps
         self.v_cta = V_PER_WARP * warps  # values of V per CTA
-        # CTAs ahead whose state tile this CTA asks L2 for (4-warp CTAs with an initial state only)
-        self.prefetch_ahead = prefetch_ahead if (warps == 4 and has_initial_state) else 0
         # prologue: jobs (tokens) per warp (token t goes to warp t % warps)
         self.slots = -(-MAX_T // warps)
 
@@ -196,44 +187,12 @@ class KdaDecode:
         hq = hv // (HV // H)
         # ---- 1. issue the state loads first: their latency covers the prologue below
         state = self.load_state(pH0, slot, hv, HV, la, lb, v0)
-        if cutlass.const_expr(self.prefetch_ahead > 0):
-            self.prefetch_later_state(pH0, pIdx, tidx, vs, hv, b, HV)
         # ---- 2. prologue: per-token vectors in shared memory, once per CTA
         smem = self.prologue(pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b, T, H, HV, scale,
                              lower_bound)
         cute.arch.sync_threads()
         # ---- 3. the tokens, in order, on the register-resident state; 4. the state back
         self.finish_row(state, smem, pHt, pO, la, lb, v0w, v0, hv, b, slot, T, HV)
-
-    @cute.jit
-    def prefetch_later_state(self, pH0, pIdx, tidx, vs, hv, b, HV):
-        """Ask L2 for the state tile of the CTA ``prefetch_ahead`` places later in launch order (V slice
-        fastest, then head, then batch row), one line per thread and step: K-first, row ``L`` of the
-        tile (its ``v_cta`` values, one line at 32 fp32); V-first, line ``L`` of the contiguous tile."""
-        K, V = self.K, self.V
-        nvs = V // self.v_cta
-        threads = 32 * self.warps
-        per_line = LINE_BYTES * 8 // pH0.dtype.width  # state elements per 128-byte line
-        lines = K if not self.v_first else self.v_cta * K // per_line
-        _, _, n_b = cute.arch.grid_dim()
-        nxt = (b * HV + hv) * nvs + vs + self.prefetch_ahead
-        if nxt < n_b * HV * nvs:
-            b_n = nxt // (HV * nvs)
-            rem = nxt - b_n * (HV * nvs)
-            hv_n = rem // nvs
-            vs_n = rem - hv_n * nvs
-            slot_n = cutlass.Int64(b_n)
-            if cutlass.const_expr(self.has_indices):
-                slot_n = cutlass.Int64(load1(pIdx, b_n))
-            if slot_n >= 0:
-                head = (slot_n * HV + hv_n) * (K * V)
-                for j in cutlass.range_constexpr(-(-lines // threads)):
-                    line = tidx + j * threads
-                    if line < lines:
-                        if cutlass.const_expr(self.v_first):
-                            prefetch_line_l2(pH0 + head + vs_n * self.v_cta * K + line * per_line)
-                        else:
-                            prefetch_line_l2(pH0 + head + line * V + vs_n * self.v_cta)
 
     @cute.jit
     def load_state(self, pH0, slot, hv, HV, la, lb, v0):
@@ -650,7 +609,7 @@ def runner(
     idx_dtype = state_indices.dtype if has_idx else torch.int32
     config = (K, V, bool(state_v_first), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), has_a,
               has_bias, use_lb, bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
-              has_h0, store, bool(inplace), has_idx, pick_warps(B, HV, V), STATE_PREFETCH_AHEAD)
+              has_h0, store, bool(inplace), has_idx, pick_warps(B, HV, V))
     dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, A_log.dtype if has_a else torch.float32,
               dt_bias.dtype if has_bias else torch.float32, v.dtype, idx_dtype)
     statics = (B, T, H, HV, float(K ** -0.5 if scale is None else scale), float(lower_bound) if use_lb else 0.0)
@@ -688,8 +647,6 @@ def compile_targets():
         "k256": build(K=256, V=256),
         "one_warp_v_first": build(state_v_first=True, warps=1),
         "two_warps": build(warps=2),
-        "prefetch": build(prefetch_ahead=264),
-        "prefetch_v_first": build(state_v_first=True, prefetch_ahead=264),
     }
 
 

@@ -96,8 +96,6 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: 2.29x -> 2.39x). Session 6's TMA bulk prefetch of the same rows was 1-12% slower (the per-thread form
 #: also won over the bulk one in stage 2, session 8). ``CULA_KDA_TC_PREFETCH`` sets it for A/B runs.
 PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
-#: pdl_trigger="tail": how many of the last CTAs in launch order signal (about two waves of 2 x 132)
-PDL_TAIL_CTAS = 528
 SPLIT_PASSES = ((0, 0), (0, 1), (1, 0))  # (A part, B part) of each pass, 0 = hi, 1 = lo: lo·lo is dropped
 
 BF16 = cutlass.BFloat16
@@ -131,10 +129,8 @@ class KdaFwdIntraTC:
         self.inv_wgmma = inv_wgmma
         # when to signal griddepcontrol.launch_dependents: "start" (on entry: stage 2, launched with
         # programmatic dependent launch, may start once every CTA of this grid is resident, i.e. during
-        # the last wave), "tail" (on entry, but only the last PDL_TAIL_CTAS CTAs in launch order: the
-        # others count by exiting, so the launch comes as early with far fewer trigger events), "end"
-        # (after the chunk's work) or "" (never: stage 2 starts at this grid's end)
-        assert pdl_trigger in ("start", "tail", "end", ""), pdl_trigger
+        # the last wave), "end" (after the chunk's work) or "" (never: stage 2 starts at this grid's end)
+        assert pdl_trigger in ("start", "end", ""), pdl_trigger
         self.pdl_trigger = pdl_trigger
         self.prefetch_ahead = prefetch_ahead  # CTAs ahead whose inputs this CTA asks L2 for (0: none)
         self.use_qk_l2norm = use_qk_l2norm
@@ -277,10 +273,6 @@ class KdaFwdIntraTC:
             cute.arch.griddepcontrol_launch_dependents()
         # The sync-free varlen tables end in dummy chunks (nvalid = 0) that nobody reads: leave at once.
         chunk, _, _ = cute.arch.block_idx()
-        if cutlass.const_expr(self.pdl_trigger == "tail"):
-            _, hv_t, _ = cute.arch.block_idx()
-            if hv_t * NC + chunk >= HV * NC - PDL_TAIL_CTAS:
-                cute.arch.griddepcontrol_launch_dependents()
         chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
         if chunks[chunk, 1] > 0:
             self.chunk_body(
@@ -1127,7 +1119,6 @@ def compile_targets():
         "simt_inverse": build(cutlass.BFloat16, **full, inv_wgmma=False),
         "prefetch": build(cutlass.BFloat16, **full, prefetch_ahead=132),
         "pdl_end": build(cutlass.BFloat16, **full, pdl_trigger="end"),
-        "pdl_tail": build(cutlass.BFloat16, **full, pdl_trigger="tail"),
         "two_wg": build(cutlass.BFloat16, **full, warpgroups=2, inv_wgmma=False),
         "two_wg_fp32_gate_gva": build(cutlass.Float32, **{**full, "use_beta_sigmoid": False, "group": 2},
                                       warpgroups=2, inv_wgmma=False),

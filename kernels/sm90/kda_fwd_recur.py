@@ -85,10 +85,11 @@ PDL = __import__("os").environ.get("CULA_KDA_PDL", "1") == "1"
 #: T1024 0.214 -> 0.211) but makes the long ones slower, stage 2 by ~16% (B1 T16384 1.428 -> 1.487 ms,
 #: B2 T16384 2.858 -> 2.98; B1 T4096, 4,096 CTAs, +1%), for a reason not yet found.
 PDL_MAX_STAGE1_CTAS = int(__import__("os").environ.get("CULA_KDA_PDL_MAX_CTAS", "2048"))
-#: Where stage 1's CTAs signal: "start" (measured above), "tail" (on entry, the last ~2 waves of CTAs
-#: only; if each trigger event costs the launch path a few ns, which would fit the long rows' loss growing
-#: with stage 1's CTA count, this keeps the early launch without it), "end" (after their work) or "none"
-#: (stage 2 starts when stage 1 ends, saving only the launch); ``CULA_KDA_PDL_TRIGGER`` for A/B runs.
+#: Where stage 1's CTAs signal: "start" (measured above), "end" (after their work) or "none" (stage 2
+#: starts when stage 1 ends, saving only the launch); ``CULA_KDA_PDL_TRIGGER`` for A/B runs. Session 10
+#: (cap lifted, all rows): signalling only in the last 528 CTAs lost as much on long rows as "start"
+#: (B2 T16384 2.869 / 2.877 ms against 2.721 with PDL off), so the loss is not a per-signal cost but
+#: stage 2 being resident during stage 1's last wave; "end" and "none" matched PDL off (2.720 / 2.722).
 PDL_TRIGGER = __import__("os").environ.get("CULA_KDA_PDL_TRIGGER", "start")
 SMEM_PER_BLOCK = 232448  # H100/H200: the most dynamic shared memory one CTA may have (227 KB)
 
