@@ -176,6 +176,10 @@ class Tensor:
     def iterator(self) -> Pointer:
         return self.ptr
 
+    @property
+    def shape(self) -> tuple:
+        return self._shape
+
     def _offset(self, idx) -> int:
         shape, stride = self._shape, self._stride
         if type(idx) is tuple or isinstance(idx, tuple):

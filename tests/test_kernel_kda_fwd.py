@@ -92,7 +92,8 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_fp32_gate", True), ("intra_tc_plain_gva", True),
                                                ("intra_tc_scalar_offdiag", True), ("intra_tc_two_wg", True),
                                                ("intra_tc_two_wg_fp32_gate_gva", True), ("intra_tc_simt_inverse", True),
-                                               ("intra_tc_prefetch", True), ("intra_tc_pdl_end", True)])
+                                               ("intra_tc_prefetch", True), ("intra_tc_pdl_end", True),
+                                               ("intra_tc_softplus_gate", True), ("intra_tc_softplus_gate_fp32_gva", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -209,6 +210,9 @@ TC_CASES = [
     pytest.param(1, 200, 1, 2, [0, 0, 15, 79, 200], -5.0, 0.5, False, id="varlen-zero-gva"),
     pytest.param(1, 130, 2, 2, None, -11.0, 3.0, True, id="lb11-saturated-negeig"),
     pytest.param(1, 64, 1, 1, None, -0.1, 0.5, False, id="lb0.1"),
+    # lb None: the softplus gate, clamped at SOFTPLUS_FLOOR; a_scale 3: many channels far below it
+    pytest.param(1, 130, 2, 2, None, None, 0.5, False, id="softplus"),
+    pytest.param(1, 200, 1, 2, [0, 0, 15, 79, 200], None, 3.0, True, id="softplus-strong-varlen-negeig"),
 ]
 
 
@@ -216,20 +220,27 @@ TC_CASES = [
 @pytest.mark.parametrize("B,T,H,HV,cu,lb,a_scale,neg", TC_CASES)
 def test_tc_algorithm_matches_exact_stages(B, T, H, HV, cu, lb, a_scale, neg, packed):
     """kda_fwd_intra_tc's algorithm (reference factors, block inverse, bf16 rounding points; torch model)
-    gives the exact stage-1 scratch within bf16 error, also with gates saturated at lower_bound = -11."""
+    gives the exact stage-1 scratch within bf16 error, also with gates saturated at lower_bound = -11,
+    and for the unbounded softplus gate, which it clamps at SOFTPLUS_FLOOR (the exact one is unclamped)."""
     from cula.kernels.sm90 import kda_fwd_intra_tc as tc
 
     args, kw = _case(B, T, H, HV, cu, seed=T, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                     use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg, lower_bound=lb, safe_gate=True)
+                     use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg, lower_bound=lb,
+                     safe_gate=lb is not None)
     kw["A_log"] = kw["A_log"] / 0.5 * a_scale
     _, _, exact = kda_fwd.emulate_stages(*args, **kw, dtype=torch.float64)
     qf, kf, vf, gf, bf = kda_fwd._flatten(*args)
     B_, T_ = args[0].shape[:2]
     cu_t = kw["cu_seqlens"] if kw["cu_seqlens"] is not None else kda_fwd._fixed_cu_seqlens(B_, T_, args[0].device)
     chunks, _, _ = kda_fwd.chunk_tables(cu_t)
-    model = tc.emulate(*(x.bfloat16() for x in (qf, kf, vf, gf, bf)), chunks, 128 ** -0.5, lb, kw["A_log"],
-                       kw["dt_bias"], use_qk_l2norm=True, use_beta_sigmoid=True, allow_neg_eigval=neg,
-                       packed_offdiag=packed)
+    model = tc.emulate(*(x.bfloat16() for x in (qf, kf, vf, gf, bf)), chunks, 128 ** -0.5,
+                       tc.SOFTPLUS_FLOOR if lb is None else lb, kw["A_log"], kw["dt_bias"], use_qk_l2norm=True,
+                       use_beta_sigmoid=True, allow_neg_eigval=neg, packed_offdiag=packed,
+                       softplus_gate=lb is None)
+    if lb is None and a_scale > 1:  # the case must reach the clamp, or it tests nothing new
+        a = kw["A_log"].double().exp()[:, None]
+        sp = torch.nn.functional.softplus(gf.double() + kw["dt_bias"].double().reshape(-1, 128))
+        assert ((-a * sp) < tc.SOFTPLUS_FLOOR).double().mean() > 0.05
     for name in ("w", "u", "qg", "aqk", "kgt", "gam"):
         a, b = model[name].double(), exact[name].double()
         assert torch.isfinite(a).all(), name
@@ -242,7 +253,7 @@ def test_tc_routing():
     assert kda_fwd.intra_kind(True, True, -5.0) == "tc"
     assert kda_fwd.intra_kind(True, True, -11.0) == "tc"
     assert kda_fwd.intra_kind(True, True, -11.5) == "simt"  # the diagonal factors could overflow
-    assert kda_fwd.intra_kind(True, True, None) == "simt"  # softplus gate: unbounded
+    assert kda_fwd.intra_kind(True, True, None) == "tc"  # softplus gate: clamped at SOFTPLUS_FLOOR
     assert kda_fwd.intra_kind(False, True, -5.0) == "simt"  # no l2norm: bf16 T' may be ill-conditioned
     assert kda_fwd.intra_kind(True, False, -5.0) == "simt"  # precomputed gates: no bound known
 
@@ -541,7 +552,7 @@ def test_gpu_chained_calls_equal_one_call(monkeypatch, pdl, stage1):
 
 
 def test_simt_stage1_inputs_go_to_fla_unless_asked(monkeypatch):
-    """Inputs outside the tensor-core stage 1 (its SIMT stage 1 measured 0.44x FLA) are handed to FLA when
+    """Inputs outside the tensor-core stage 1 (its SIMT stage 1 measured 0.38x FLA) are handed to FLA when
     FLA is installed; CULA_KERNELS=kda_fwd_simt keeps them on the kernel, and without FLA it runs them."""
     pytest.importorskip("cutlass")
     from cula import _dispatch
@@ -549,9 +560,10 @@ def test_simt_stage1_inputs_go_to_fla_unless_asked(monkeypatch):
     monkeypatch.delenv("CULA_KERNELS", raising=False)
     monkeypatch.setattr(_dispatch, "fla_installed", lambda: True)
     assert kda_fwd.simt_reason(True, True, -5.0) is None  # the suite's flags: tensor cores
-    for flags in ((False, True, -5.0), (True, False, None), (True, True, None), (True, True, -12.0)):
+    assert kda_fwd.simt_reason(True, True, None) is None  # FLA's layer call: tensor cores, gate clamped
+    for flags in ((False, True, -5.0), (True, False, None), (False, True, None), (True, True, -12.0)):
         reason = kda_fwd.simt_reason(*flags)
-        assert reason is not None and "0.44x FLA" in reason and "CULA_KERNELS=kda_fwd_simt" in reason, flags
+        assert reason is not None and "0.38x FLA" in reason and "CULA_KERNELS=kda_fwd_simt" in reason, flags
     monkeypatch.setenv("CULA_KERNELS", "kda_fwd_simt")
     assert kda_fwd.simt_reason(True, False, None) is None
     monkeypatch.delenv("CULA_KERNELS")

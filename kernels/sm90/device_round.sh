@@ -149,6 +149,13 @@ for s in $steps; do
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
+    softplus)  # the tensor-core stage 1 on FLA's layer call (softplus gate, no bound; clamped at -11): checks
+        step softplus_check 200 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --cases \
+            T15-l2-gate,T65-gva-vfirst,T1000-all,varlen-33,tc-softplus-strong,tc-softplus-varlen-zero,tc-T65-gva-vfirst
+        ;;
+    kda_layer_suite)  # FLA's layer call (set CULA_GIT_SHA to the committed sha first)
+        step kda_layer_suite 200 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda_layer --mode both \
+            --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
     kda_exact_suite)  # log-space gate given: the SIMT stage 1 (opted in: dispatch hands these to FLA) vs FLA
         step kda_exact_suite 200 env CULA_GIT_DIRTY=0 CULA_KERNELS=kda_fwd_simt python3 -m cula.cli bench \
             --suite kda_exact --mode both \

@@ -40,7 +40,8 @@ INTRA_INVERSE = "column"
 # source and awaits its GPU check (python -m cula.kernels.sm90.kda_fwd --check --variant v2).
 INTRA_VARIANT = "v1"
 # The tensor-core stage 1 (kda_fwd_intra_tc) for the inputs whose math it is built for: the in-kernel
-# gate with a lower bound in [MIN_LOWER_BOUND, 0] (bounded reference factors) and q/k l2norm (without it
+# gate with a lower bound in [MIN_LOWER_BOUND, 0] (bounded reference factors) or the softplus one, which
+# it clamps at SOFTPLUS_FLOOR (a bounded 1.7e-5 approximation), and q/k l2norm (without it
 # I + Akk can be ill-conditioned enough that the bf16 T' of the w/u products, FLA's choice too, loses
 # accuracy the SIMT kernel's fp32 T keeps). Everything else takes the SIMT stage 1 above.
 INTRA_TC = True
@@ -110,12 +111,11 @@ def supports(
 def simt_reason(use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_bound: float | None) -> str | None:
     """Why dispatch hands inputs that need the exact SIMT stage 1 to FLA, or None.
 
-    Only the tensor-core stage 1 is faster than FLA. The SIMT one (every input without q/k l2norm, or
-    without the in-kernel gate and a lower bound, e.g. FLA's default call with a log-space ``g``) took
-    10.8 ms alone at B1 T16384 H64, against 3.6 ms for FLA's whole forward (2026-12-02 split; run
-    20261202-172916: 0.44x FLA fixed-length, 0.29x varlen). So those inputs go to FLA when it is
-    installed; ``CULA_KERNELS=kda_fwd_simt`` keeps them here (the ``kda_exact`` suite measures that),
-    and without FLA this kernel still beats the torch reference by far.
+    Only the tensor-core stage 1 is faster than FLA. The SIMT one (every input without q/k l2norm or
+    without the in-kernel gate, e.g. FLA's default call with a log-space ``g``) measured 0.38x FLA under
+    CUDA graphs over the ``kda_exact`` suite (run 20261203-201413; B1 T16384 H64 10.2 against 3.9 ms).
+    So those inputs go to FLA when it is installed; ``CULA_KERNELS=kda_fwd_simt`` keeps them here, and
+    without FLA this kernel still beats the torch reference by far.
     """
     from cula._dispatch import fla_installed, opted_in
     from cula.kernels.sm90.kda_fwd_intra_tc import MIN_LOWER_BOUND
@@ -125,8 +125,9 @@ def simt_reason(use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_b
     if opted_in(SIMT_OPT_IN) or not fla_installed():
         return None
     return ("cula-sm90 kda_fwd: these inputs need its exact SIMT stage 1 (the tensor-core one takes "
-            f"use_qk_l2norm_in_kernel with use_gate_in_kernel and a lower_bound in [{MIN_LOWER_BOUND:g}, 0]), "
-            f"which measured 0.44x FLA; FLA runs them (CULA_KERNELS={SIMT_OPT_IN} keeps them here)")
+            f"use_qk_l2norm_in_kernel with use_gate_in_kernel and no lower_bound or one in "
+            f"[{MIN_LOWER_BOUND:g}, 0]), "
+            f"which measured 0.38x FLA; FLA runs them (CULA_KERNELS={SIMT_OPT_IN} keeps them here)")
 
 
 #: Byte alignment the kernels are compiled for (16-byte vector and TMA accesses; beta is read by element).
@@ -513,7 +514,13 @@ def kda_fwd(
                    *(((h0, 16),) if h0 is not None else ()))
 
     dts = (_cute_dtype(q.dtype), _cute_dtype(g.dtype), _cute_dtype(beta.dtype))
-    lb = float(lower_bound) if lower_bound is not None else 0.0
+    softplus_tc = (lower_bound is None
+                   and intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound) == "tc")
+    if softplus_tc:  # the tensor-core stage 1 clamps the softplus gate at this floor (see SOFTPLUS_FLOOR)
+        from cula.kernels.sm90.kda_fwd_intra_tc import SOFTPLUS_FLOOR
+        lb = SOFTPLUS_FLOOR
+    else:
+        lb = float(lower_bound) if lower_bound is not None else 0.0
     intra_values = (qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), gf.data_ptr(), bf.data_ptr(), a_log.data_ptr(),
                     dtb.data_ptr(), chunks.data_ptr(), w.data_ptr(), u.data_ptr(), qg.data_ptr(), aqk.data_ptr(),
                     kgt.data_ptr(), gam.data_ptr(), TT, H, HV, NC, scale, lb, stream)
@@ -526,7 +533,7 @@ def kda_fwd(
                         packed_offdiag=intra_tc.PACKED_OFFDIAG, warpgroups=intra_tc.WARPGROUPS,
                         inv_wgmma=intra_tc.INV_WGMMA and intra_tc.WARPGROUPS == 1,
                         pdl_trigger=recur.PDL_TRIGGER if recur.PDL and recur.PDL_TRIGGER != "none" else "",
-                        prefetch_ahead=intra_tc.PREFETCH_AHEAD)
+                        prefetch_ahead=intra_tc.PREFETCH_AHEAD, softplus_gate=softplus_tc)
         _launcher("intra_tc", (tuple(sorted(tc_flags.items())), dts), lambda: intra_tc.KdaFwdIntraTC(**tc_flags),
                   _intra_specs(*dts))(*intra_values)
     elif "intra" in stages:
@@ -562,8 +569,8 @@ def intra_kind(use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_bo
     """Which stage-1 kernel ``kda_fwd`` runs: ``"tc"`` (tensor cores) or ``"simt"`` (exact for any gate)."""
     from cula.kernels.sm90.kda_fwd_intra_tc import MIN_LOWER_BOUND
 
-    if (INTRA_TC and use_qk_l2norm_in_kernel and use_gate_in_kernel and lower_bound is not None
-            and MIN_LOWER_BOUND <= lower_bound <= 0.0):
+    if (INTRA_TC and use_qk_l2norm_in_kernel and use_gate_in_kernel
+            and (lower_bound is None or MIN_LOWER_BOUND <= lower_bound <= 0.0)):
         return "tc"
     return "simt"
 

@@ -30,7 +30,7 @@ CASES = [
                                                                 use_gate_in_kernel=True, lower_bound=-0.1)),
     ("varlen-33", 1, 33 * 40, 1, 1, "33", dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)),
     ("loggate-fp32", 1, 130, 2, 2, None, dict(use_qk_l2norm_in_kernel=True, g_log=True)),
-    # the tensor-core stage 1 (kda_fwd.intra_kind == "tc": l2norm + in-kernel gate with a lower bound)
+    # the tensor-core stage 1 (kda_fwd.intra_kind == "tc": l2norm + in-kernel gate, with a lower bound)
     ("tc-T1", 1, 1, 2, 2, None, dict(_TC, lower_bound=-5.0)),
     ("tc-T65-gva-vfirst", 2, 65, 1, 2, None, dict(_TC, lower_bound=-5.0, state_v_first=True)),
     ("tc-T1000-negeig", 1, 1000, 2, 2, None, dict(_TC, lower_bound=-5.0, allow_neg_eigval=True)),
@@ -41,6 +41,11 @@ CASES = [
     ("tc-lb11-strong", 1, 300, 2, 2, None, dict(_TC, safe_gate=False, lower_bound=-11.0, a_log_scale=3.0)),
     ("tc-fp32-gate-plainbeta", 1, 190, 2, 4, None, dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                                          lower_bound=-5.0, g_fp32=True)),
+    # FLA's layer call: the softplus gate without a bound, which the tensor-core stage 1 clamps at
+    # SOFTPLUS_FLOOR (T15-l2-gate, T65-gva-vfirst, T1000-all and varlen-33 above take it too); here with
+    # gates far below the floor in many channels (exp(A_log) up to ~e^6)
+    ("tc-softplus-strong", 1, 300, 2, 2, None, dict(_TC, safe_gate=False, a_log_scale=3.0)),
+    ("tc-softplus-varlen-zero", 1, 200, 2, 4, [0, 0, 15, 15, 79, 200], dict(_TC, safe_gate=False)),
 ]
 
 

@@ -7,7 +7,9 @@ on wgmma (bf16 operands, fp32 accumulate, as FLA's chunk pipeline), and only the
 norms and the 64x64 triangular inverse stay on the CUDA cores (fp32).
 
 Exponent safety needs a bounded gate: this kernel is built for the in-kernel gate with a lower bound
-(``lower_bound <= g < 0`` per token, FLA's ``safe_gate``). Per 16-row block ``I`` the gated products use
+(``lower_bound <= g < 0`` per token, FLA's ``safe_gate``), and for FLA's unbounded softplus gate clamped
+at ``SOFTPLUS_FLOOR`` (read its comment for what the clamp costs). Per 16-row block ``I`` the gated
+products use
 
     diagonal block:      2^(Γ_i − Γ_j) = 2^(Γ_i − C_I) · 2^(C_I − Γ_j),   C_I = Γ_{16I} − SHIFT
     block J < I:         2^(Γ_i − Γ_j) = 2^(Γ_i − E_J) · 2^(E_J − Γ_j),   E_J = Γ_{16J+15}
@@ -72,6 +74,14 @@ L2NORM_EPS = 1e-6
 #: The gate bound this kernel takes: the diagonal factors reach 2^(7.5 |lb| / ln 2) = 2^119 at lb = -11
 #: (fp32 and bf16 overflow at 2^128). kda_fwd sends looser or no bounds to the exact SIMT kernel.
 MIN_LOWER_BOUND = -11.0
+#: The softplus gate ``-exp(A_log) softplus(x + dt_bias)`` (FLA's in-kernel gate without a lower bound,
+#: what its KimiDeltaAttention layer calls) has no bound, so this kernel clamps it per token and channel
+#: at ``SOFTPLUS_FLOOR`` (the host passes it as ``lower_bound``): a token that would decay a channel by
+#: more than e^-11 = 1.7e-5 decays it by exactly that. The exact result differs by at most that factor
+#: times what the clamped decay was applied to, 1.7e-5 relative, far below bf16's 3.9e-3 rounding of o.
+SOFTPLUS_FLOOR = MIN_LOWER_BOUND
+SOFTPLUS_THRESHOLD = 20.0  # softplus(z) = z above it, as torch's and FLA's
+LOG2E = 1.0 / math.log(2.0)
 SMEM_PER_SM = 233472  # H100/H200: answers the DSL's device query on a CPU compile
 #: Scale the off-diagonal A rows with packed ``mul.bf16x2`` (factor rounded to bf16 first: one rounding
 #: more, which the torch model shows to be free, and ~900 fewer PTX instructions). On since its H200 A/B
@@ -123,8 +133,12 @@ class KdaFwdIntraTC:
         inv_wgmma: bool = True,
         pdl_trigger: str = "start",
         prefetch_ahead: int = PREFETCH_AHEAD,
+        softplus_gate: bool = False,
     ):
         assert warpgroups in (1, 2), warpgroups
+        # False: the lower-bounded sigmoid gate lb * sigmoid(exp(A_log) (x + dt_bias)); True: the softplus
+        # gate, clamped at the runtime lower_bound (SOFTPLUS_FLOOR)
+        self.softplus_gate = softplus_gate
         assert not (inv_wgmma and warpgroups != 1), "the wgmma inverse step is written for one warpgroup"
         self.inv_wgmma = inv_wgmma
         # when to signal griddepcontrol.launch_dependents: "start" (on entry: stage 2, launched with
@@ -443,6 +457,9 @@ class KdaFwdIntraTC:
         dtb.fill(0.0)
         if cutlass.const_expr(self.has_dt_bias):
             dtb.store(_vec(pDtBias, hv * DK + d0, COLS_PER_THREAD).load().to(F32))
+        if cutlass.const_expr(self.softplus_gate):  # the softplus gate reads dt_bias in log2 units
+            for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                dtb[c] = dtb[c] * F32(LOG2E)
         gl = cute.make_rmem_tensor(cute.make_layout((rpt, COLS_PER_THREAD),
                                                     stride=(COLS_PER_THREAD, 1)), F32)  # Γ, local scan
         ssq = cute.make_rmem_tensor(cute.make_layout(2 * rpt), F32)  # Σx² of q rows, k rows
@@ -477,6 +494,7 @@ class KdaFwdIntraTC:
             sBeta[tidx] = bv * keep_b
         lb_log2 = lower_bound * F32(RCP_LN2)
         a_nl2e = a_exp * F32(-RCP_LN2)  # the gate's e^(-a x) as 2^(a_nl2e x) (1/ln 2 = log2 e)
+        neg_a = -a_exp
         for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
             keep = F32(1.0)
@@ -500,11 +518,21 @@ class KdaFwdIntraTC:
                 # lower-bounded gate, in log2 units: lb * sigmoid(a (g + dt_bias)) / ln 2, with
                 # e^(-z) = 2^(-a log2(e) (g + dt_bias)) and keep folded into lb: one FMUL and the cumsum
                 # step an FFMA (was three FMUL and an FADD)
-                ez = cute.math.exp2(a_nl2e * (xg[c] + dtb[c]), fastmath=True)
                 prev = F32(0.0)
                 if cutlass.const_expr(rr > 0):
                     prev = gl[rr - 1, c]
-                gl[rr, c] = prev + lb_keep * cute.arch.rcp_approx(F32(1.0) + ez)
+                if cutlass.const_expr(self.softplus_gate):
+                    # softplus in log2 units, log2(1 + 2^y) with y = (x + dt_bias) log2(e), and y itself
+                    # past the threshold (there log2(1 + 2^T) < y: a max, no branch); times -a, clamped
+                    # at the floor lb / ln 2
+                    # (fmax: one max.f32 each; min(y, T) as -max(-y, -T))
+                    y = xg[c] * F32(LOG2E) + dtb[c]
+                    y_cut = -cute.arch.fmax(-y, F32(-SOFTPLUS_THRESHOLD * LOG2E))
+                    sp = cute.math.log2(F32(1.0) + cute.math.exp2(y_cut, fastmath=True), fastmath=True)
+                    gl[rr, c] = prev + keep * cute.arch.fmax(neg_a * cute.arch.fmax(sp, y), lb_log2)
+                else:
+                    ez = cute.math.exp2(a_nl2e * (xg[c] + dtb[c]), fastmath=True)
+                    gl[rr, c] = prev + lb_keep * cute.arch.rcp_approx(F32(1.0) + ez)
             ssq[rr] = sq
             ssq[rpt + rr] = sk
         # a row's 128 columns live on one half-warp: butterfly over lanes 1, 2, 4, 8
@@ -1119,6 +1147,8 @@ def compile_targets():
         "simt_inverse": build(cutlass.BFloat16, **full, inv_wgmma=False),
         "prefetch": build(cutlass.BFloat16, **full, prefetch_ahead=132),
         "pdl_end": build(cutlass.BFloat16, **full, pdl_trigger="end"),
+        "softplus_gate": build(cutlass.BFloat16, **full, softplus_gate=True),
+        "softplus_gate_fp32_gva": build(cutlass.Float32, **{**full, "group": 2}, softplus_gate=True),
         "two_wg": build(cutlass.BFloat16, **full, warpgroups=2, inv_wgmma=False),
         "two_wg_fp32_gate_gva": build(cutlass.Float32, **{**full, "use_beta_sigmoid": False, "group": 2},
                                       warpgroups=2, inv_wgmma=False),
@@ -1129,12 +1159,14 @@ def compile_targets():
 # torch model of the kernel (same factorisation, inverse steps and bf16 rounding points)
 # ------------------------------------------------------------------------------------------------
 def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=None,
-            use_qk_l2norm=False, use_beta_sigmoid=False, allow_neg_eigval=False, packed_offdiag=False):
+            use_qk_l2norm=False, use_beta_sigmoid=False, allow_neg_eigval=False, packed_offdiag=False,
+            softplus_gate=False):
     """The stage-1 scratch exactly as this kernel forms it, in torch (CPU or GPU).
 
     ``q, k: [TT, H, 128]``, ``v, g: [TT, HV, 128]``, ``beta: [TT, HV]`` (flattened tokens), ``chunks``
     the ``[NC, 2]`` table of ``kda_fwd.chunk_tables``. Returns the dict of ``kda_fwd.emulate_stages``
-    (w, u, qg, aqk, kgt in bf16; gam fp32); ``packed_offdiag`` models ``PACKED_OFFDIAG``. It exists to
+    (w, u, qg, aqk, kgt in bf16; gam fp32); ``packed_offdiag`` models ``PACKED_OFFDIAG``;
+    ``softplus_gate``: the softplus gate clamped at ``lower_bound`` (``SOFTPLUS_FLOOR``). It exists to
     test the algorithm (reference factors, block
     inverse, where bf16 rounding happens) on a CPU against the exact emulation; the GPU check compares
     the kernel with ``kda_fwd.emulate_stages`` directly.
@@ -1159,8 +1191,12 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
     vc, gc = gather(v, "v") * kf, gather(g, "v")
     a_exp = torch.ones(HV, device=dev) if A_log is None else A_log.float().exp()
     dtb = torch.zeros(HV, DK, device=dev) if dt_bias is None else dt_bias.float().reshape(HV, DK)
-    z = a_exp[None, :, None, None] * (gc + dtb[None, :, None, :])
-    gv = lower_bound * RCP_LN2 / (1 + torch.exp(-z)) * kf
+    if softplus_gate:
+        sp = torch.nn.functional.softplus(gc + dtb[None, :, None, :], threshold=SOFTPLUS_THRESHOLD)
+        gv = torch.clamp(-a_exp[None, :, None, None] * sp, min=lower_bound) * RCP_LN2 * kf
+    else:
+        z = a_exp[None, :, None, None] * (gc + dtb[None, :, None, :])
+        gv = lower_bound * RCP_LN2 / (1 + torch.exp(-z)) * kf
     gam = gv.cumsum(2)  # Γ [NC, HV, 64, K]
     bc = beta[idx].transpose(1, 2).to(f32)  # [NC, HV, 64]
     if use_beta_sigmoid:
