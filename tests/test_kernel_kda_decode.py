@@ -261,3 +261,16 @@ def test_gpu_fast_launch_path_is_on_and_equal_to_the_public_path():
     launcher.call_public(*values)
     torch.cuda.synchronize()
     assert torch.equal(o1, o2) and torch.equal(s1, s2)
+
+
+def test_bench_copy_call_moves_the_kernels_state_bytes():
+    """decode_bench's same-size copy reads and writes exactly the fp32 state the kernel moves per call."""
+    from cula.kernels.sm90 import decode_bench as db
+
+    case = db.DecodeCase("kda", 3, 1, 2, 4, K=64, V=64, flags=db.KDA_SERVING_FLAGS, seed=1)
+    call = db.copy_call(case, db.make_inputs(case, device="cpu"))
+    out = call()
+    assert out.dtype == torch.float32 and out.numel() * 4 * 2 == db.state_bytes(case)
+    src = call.__closure__  # the lambda's captured (dst, src): equal after the call
+    a, b = (c.cell_contents for c in src)
+    assert torch.equal(a, b)
