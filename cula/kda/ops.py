@@ -154,7 +154,10 @@ def chunk_kda(
         (``(o, final_state, h)`` with ``return_intermediate_states``).
 
     Backends, in order: cula's SM90 ``kda_fwd`` kernel (Hopper, supported inputs, no gradients
-    requested), FLA's Triton ``chunk_kda`` on CUDA, the chunked torch reference. Gradients: cula has no
+    requested), FLA's Triton ``chunk_kda`` on CUDA, the chunked torch reference. The kernel takes q/k
+    l2norm with the in-kernel gate; without ``lower_bound`` it clamps the softplus gate per token and
+    channel at -11 (a decay below e^-11 = 1.7e-5 counts as 1.7e-5: at most that relative change, far
+    under bf16 rounding); other inputs go to FLA when it is installed. Gradients: cula has no
     KDA backward kernel yet, so a call that needs them runs FLA on CUDA and the differentiable
     reference on CPU.
     """
