@@ -136,7 +136,7 @@ for s in $steps; do
         step pdl_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             tests/test_kernel_lightning_fwd.py tests/test_api_gpu.py -k "chained_calls or two_kernels or warm_call \
             or launch_only"
-        for t in start tail end none; do
+        for t in start end none; do
             step kda_split_pdl_$t 75 env CULA_KDA_PDL_MAX_CTAS=1000000000 CULA_KDA_PDL_TRIGGER=$t \
                 python3 -m cula.kernels.sm90.kda_fwd --check --split pdl
         done

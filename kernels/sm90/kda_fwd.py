@@ -514,8 +514,8 @@ def kda_fwd(
                    *(((h0, 16),) if h0 is not None else ()))
 
     dts = (_cute_dtype(q.dtype), _cute_dtype(g.dtype), _cute_dtype(beta.dtype))
-    softplus_tc = (lower_bound is None
-                   and intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound) == "tc")
+    kind = intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound)
+    softplus_tc = kind == "tc" and lower_bound is None
     if softplus_tc:  # the tensor-core stage 1 clamps the softplus gate at this floor (see SOFTPLUS_FLOOR)
         from cula.kernels.sm90.kda_fwd_intra_tc import SOFTPLUS_FLOOR
         lb = SOFTPLUS_FLOOR
@@ -524,7 +524,7 @@ def kda_fwd(
     intra_values = (qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), gf.data_ptr(), bf.data_ptr(), a_log.data_ptr(),
                     dtb.data_ptr(), chunks.data_ptr(), w.data_ptr(), u.data_ptr(), qg.data_ptr(), aqk.data_ptr(),
                     kgt.data_ptr(), gam.data_ptr(), TT, H, HV, NC, scale, lb, stream)
-    if "intra" in stages and intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound) == "tc":
+    if "intra" in stages and kind == "tc":
         from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
         tc_flags = dict(use_qk_l2norm=True, has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,

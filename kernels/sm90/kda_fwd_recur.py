@@ -83,7 +83,7 @@ PDL = __import__("os").environ.get("CULA_KDA_PDL", "1") == "1"
 #: ...only where stage 1 has at most this many CTAs (NC x HV). On the H200 (session 9, A/B/A/B splits)
 #: the programmatic launch saves 3-11 us on the suite's shortest rows (B1 T512 0.098 -> 0.087 ms, B2
 #: T1024 0.214 -> 0.211) but makes the long ones slower, stage 2 by ~16% (B1 T16384 1.428 -> 1.487 ms,
-#: B2 T16384 2.858 -> 2.98; B1 T4096, 4,096 CTAs, +1%), for a reason not yet found.
+#: B2 T16384 2.858 -> 2.98; B1 T4096, 4,096 CTAs, +1%); session 10's reading is below.
 PDL_MAX_STAGE1_CTAS = int(__import__("os").environ.get("CULA_KDA_PDL_MAX_CTAS", "2048"))
 #: Where stage 1's CTAs signal: "start" (measured above), "end" (after their work) or "none" (stage 2
 #: starts when stage 1 ends, saving only the launch); ``CULA_KDA_PDL_TRIGGER`` for A/B runs. Session 10
