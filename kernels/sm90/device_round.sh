@@ -146,6 +146,30 @@ for s in $steps; do
         step eager_probe_k 60 python3 -m cula.bench.eager_probe --variant kda --B 1 --H 8 ;;
     flush32)  # the flush-eviction GPU test at 32 MiB (the write flush; the read flush was removed)
         step flush_test 40 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_bench_gpu.py -k evicts ;;
+    prof11)  # session 11: decode B64 H32 KDA serving / bare / Lightning (graph A/B/A), ncu of both decodes,
+        # of stage 2 on uniform n20 T4096 and of stage 1 (B1 T4096)
+        for f in serving bare serving; do
+            step dprof_kda_$f 60 python3 -m cula.kernels.sm90.decode_profile --time --variant kda --flags $f
+            tail -1 "$OUT/dprof_kda_$f.log"
+        done
+        step dprof_lightning 60 python3 -m cula.kernels.sm90.decode_profile --time --variant lightning
+        tail -1 "$OUT/dprof_lightning.log"
+        for v in kda lightning; do
+            step ncu_dec_$v 120 ncu --clock-control none -k regex:Decode --launch-count 1 --set full \
+                --import-source no -o "$OUT/dec_$v" python3 -m cula.kernels.sm90.decode_profile --variant $v
+            ncu -i "$OUT/dec_$v.ncu-rep" --page details > "$OUT/ncu_dec_${v}_details.txt" 2>&1
+            ncu -i "$OUT/dec_$v.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_dec_${v}_sass.csv" 2>&1
+            grep -iE "duration|dram throughput|warp cycles|eligible|issued ipc|achieved occupancy|registers" \
+                "$OUT/ncu_dec_${v}_details.txt" | head -12
+        done
+        step ncu_recur 150 ncu --clock-control none -k regex:Recur --launch-count 1 --set full \
+            --import-source no -o "$OUT/recur" python3 -m cula.kernels.sm90.kda_fwd_profile --stage recur \
+            --dist uniform --n 20 --T 4096
+        ncu -i "$OUT/recur.ncu-rep" --page details > "$OUT/ncu_recur_details.txt" 2>&1
+        ncu -i "$OUT/recur.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_recur_sass.csv" 2>&1
+        grep -iE "duration|dram throughput|warp cycles|eligible|issued ipc|achieved occupancy" \
+            "$OUT/ncu_recur_details.txt" | head -12
+        bash "$0" ncu ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
