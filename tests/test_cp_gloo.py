@@ -149,6 +149,10 @@ def _fla_context_case(group, results: dict) -> None:
 def _worker(rank: int, init_file: str, result_dir: str) -> None:
     import torch.distributed as dist
 
+    # A rank that dies by a signal (gloo's C++ threads abort on a socket error) leaves no Python traceback:
+    # its stderr goes to a file the fixture shows when the spawn fails.
+    err = os.open(os.path.join(result_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(err, 2)
     torch.set_num_threads(1)  # 2 cores shared by all processes
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4,
                             timeout=datetime.timedelta(seconds=SPAWN_TIMEOUT_S))
@@ -166,24 +170,57 @@ def _worker(rank: int, init_file: str, result_dir: str) -> None:
             _fla_context_case(group, results)
             if dist.get_rank(group) == 0:
                 torch.save(results, os.path.join(result_dir, f"{name}.pt"))
+        # Nobody closes its sockets while a peer still works: a peer's closed connection seen mid-operation
+        # is what makes gloo abort a process.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def gloo_runs() -> dict[str, dict]:
-    """Spawn the 4 ranks once; the results of each group by name."""
+def _spawn_once(tmp: str) -> str | None:
+    """One spawn of the 4 ranks; None when all exited cleanly, else why not (with the ranks' stderr)."""
+    import sys
+
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = mp.spawn(_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=4, join=False)
-        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    spawn_errors = sys.modules["torch.multiprocessing.spawn"].ProcessException  # the name `spawn` is a function
+    procs = mp.spawn(_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=4, join=False)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
         while not procs.join(timeout=1):
             if time.monotonic() > deadline:
                 for p in procs.processes:
                     p.terminate()
-                pytest.fail(f"gloo CP run did not finish in {SPAWN_TIMEOUT_S} s")
-        return {name: torch.load(os.path.join(tmp, f"{name}.pt")) for name in GROUPS}
+                return f"gloo CP run did not finish in {SPAWN_TIMEOUT_S} s"
+    except spawn_errors as e:
+        logs = []
+        for r in range(4):
+            path = os.path.join(tmp, f"rank{r}.log")
+            if os.path.exists(path):
+                with open(path) as f:
+                    logs.append(f"--- rank {r} stderr ---\n{f.read()[-3000:]}")
+        return f"{type(e).__name__}: {e}\n" + "\n".join(logs)
+    return None
+
+
+@pytest.fixture(scope="module")
+def gloo_runs() -> dict[str, dict]:
+    """Spawn the 4 ranks once; the results of each group by name.
+
+    A spawn in which a rank died by a signal is run once more: gloo's TCP transport can abort a process
+    from its I/O thread on a connection race (CI saw one SIGABRT in a run that passes everywhere else). A
+    Python error in a rank, a timeout, or a second failure fails the tests, with every rank's stderr.
+    """
+    failures = []
+    for _attempt in range(2):
+        with tempfile.TemporaryDirectory() as tmp:
+            why = _spawn_once(tmp)
+            if why is None:
+                return {name: torch.load(os.path.join(tmp, f"{name}.pt")) for name in GROUPS}
+        failures.append(why)
+        if "terminated with signal" not in why:
+            break
+    pytest.fail("\n\n".join(failures))
 
 
 @pytest.mark.parametrize("group", GROUPS)
