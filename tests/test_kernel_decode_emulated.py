@@ -95,33 +95,6 @@ def test_emulated_kernel_matches_reference(monkeypatch, variant, B, T, H, HV, K,
         assert torch.equal(h0, before)
 
 
-@pytest.mark.parametrize("loads_first", ["0", "1"])
-@pytest.mark.parametrize("v_first,pool,warps", [(False, "inplace", 4), (True, "pool", 1)])
-def test_emulated_kda_load_orders(monkeypatch, loads_first, v_first, pool, warps):
-    """Both orders of the state's and the per-token loads (``CULA_KDA_DECODE_LOADS_FIRST``) give the
-    reference result (the knob is part of the compile key, so each order builds its own kernel)."""
-    monkeypatch.setenv("CULA_KDA_DECODE_LOADS_FIRST", loads_first)
-    monkeypatch.setattr(kd, "pick_warps", lambda B, HV, V: warps)
-    seen = []
-    real = kd.KdaDecode
-
-    def spy(*config):
-        kern = real(*config)
-        seen.append(kern.loads_first)
-        return kern
-
-    monkeypatch.setattr(kd, "KdaDecode", spy)
-    case = db.DecodeCase("kda", 3, 2, 1, 2, K=64, V=32, dtype=torch.bfloat16, state_v_first=v_first, pool=pool,
-                         flags=db.KDA_SERVING_FLAGS, seed=17)
-    inputs = db.make_inputs(case, device="cpu")
-    h0 = inputs["initial_state"]
-    o_ref, s_ref = db.reference(case, {**inputs, "initial_state": h0.clone()})
-    o, ht = run_emulated(monkeypatch, kd, inputs)
-    assert seen == [loads_first == "1"]
-    assert db.rel_err(o, o_ref) < 6e-3
-    assert db.rel_err(ht, s_ref) < 1e-6
-
-
 def test_emulator_catches_a_wrong_reduction(monkeypatch):
     # the emulator must be able to fail: drop one butterfly step of the K-first reduction
     inner = emu.rebind(decode_tile.butterfly_sum, {"cute": emu.cute, "cutlass": emu.cutlass})

@@ -170,15 +170,6 @@ for s in $steps; do
         grep -iE "duration|dram throughput|warp cycles|eligible|issued ipc|achieved occupancy" \
             "$OUT/ncu_recur_details.txt" | head -12
         bash "$0" ncu ;;
-    dec_lf)  # session 12: KDA decode with the per-token loads issued before the state's: GPU tests, A/B/A/B
-        step dec_lf_tests 240 env CULA_KDA_DECODE_LOADS_FIRST=1 python3 -m pytest -q -m gpu -p no:cacheprovider \
-            -rf --maxfail=20 tests/test_kernel_kda_decode.py
-        for lf in 0 1 0 1; do
-            step dprof_lf$lf 120 env CULA_KDA_DECODE_LOADS_FIRST=$lf python3 -m cula.kernels.sm90.decode_profile \
-                --time --variant kda --B 16 64 128 256
-            cat "$OUT/dprof_lf$lf.log" >> "$OUT/dprof_lf_all.log"
-            grep decode_profile "$OUT/dprof_lf$lf.log"
-        done ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;

@@ -33,7 +33,6 @@ its outputs are zero, its final state is zero when written out of place, and its
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
@@ -67,10 +66,6 @@ from cula.kernels.common.fast_launch import ArgSpec, compile_launcher, stream_qu
 HEAD_DIMS_K = (64, 128, 256)  # K: 16 lanes x K/16 rows (K-first) or 16 lanes x 4 x K/64 (V-first)
 L2NORM_EPS = 1e-6  # FLA's l2norm: x / sqrt(sum(x^2) + eps)
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above it, as FLA's
-#: Issue the per-token loads (q, k, g, v, beta) before the state's: they return first, so the prologue's
-#: math runs while the state streams in instead of after it. ``CULA_KDA_DECODE_LOADS_FIRST=0|1`` overrides
-#: it for an A/B (read when a runner is built).
-LOADS_FIRST = False
 #: Flipped to True once tests/test_kernel_kda_decode.py passed on the H200 (supports() says so until then).
 GPU_VALIDATED = True
 
@@ -95,7 +90,6 @@ class KdaDecode:
         inplace: bool,
         has_indices: bool,
         warps: int = 4,
-        loads_first: bool = LOADS_FIRST,
     ):
         assert K in HEAD_DIMS_K and V % V_ALIGN == 0 and warps in WARP_CHOICES
         self.K, self.V = K, V
@@ -115,7 +109,6 @@ class KdaDecode:
         self.rows = K // 16  # K-first: state rows per thread
         self.chunks = K // 64  # V-first: 4-wide K vectors per thread and V row
         self.warps = warps
-        self.loads_first = loads_first
         self.v_cta = V_PER_WARP * warps  # values of V per CTA
         # prologue: jobs (tokens) per warp (token t goes to warp t % warps)
         self.slots = -(-MAX_T // warps)
@@ -192,14 +185,11 @@ class KdaDecode:
         warp, lane, la, lb, v0w = self.lane_layout(tidx)
         v0 = vs * self.v_cta + v0w
         hq = hv // (HV // H)
-        # ---- 1. issue every load before any math: the state's (32 per thread) and the per-token inputs;
+        # ---- 1. issue every load before any math: the state's (32 per thread), then the per-token inputs
+        # (the other order measured the same on the H200, session 12: decode.md);
         # ---- 2. the prologue's math (per-token vectors in shared memory, once per CTA) under the state's
-        if cutlass.const_expr(self.loads_first):
-            raw = self.prologue_loads(pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b, T, H, HV)
-            state = self.load_state(pH0, slot, hv, HV, la, lb, v0)
-        else:
-            state = self.load_state(pH0, slot, hv, HV, la, lb, v0)
-            raw = self.prologue_loads(pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b, T, H, HV)
+        state = self.load_state(pH0, slot, hv, HV, la, lb, v0)
+        raw = self.prologue_loads(pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b, T, H, HV)
         smem = self.prologue(raw, warp, lane, vs, T, scale, lower_bound)
         cute.arch.sync_threads()
         # ---- 3. the tokens, in order, on the register-resident state; 4. the state back
@@ -473,11 +463,6 @@ def _specs(dtypes: tuple) -> tuple[ArgSpec, ...]:
 
 
 
-def _loads_first() -> bool:
-    knob = os.environ.get("CULA_KDA_DECODE_LOADS_FIRST")
-    return LOADS_FIRST if knob is None else knob == "1"
-
-
 def _launcher(key: tuple):
     """The compiled kernel for a static configuration (compiled on first use, then cached)."""
     hit = _cache.get(key)
@@ -636,7 +621,7 @@ def runner(
     idx_dtype = state_indices.dtype if has_idx else torch.int32
     config = (K, V, bool(state_v_first), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), has_a,
               has_bias, use_lb, bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
-              has_h0, store, bool(inplace), has_idx, pick_warps(B, HV, V), _loads_first())
+              has_h0, store, bool(inplace), has_idx, pick_warps(B, HV, V))
     dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, A_log.dtype if has_a else torch.float32,
               dt_bias.dtype if has_bias else torch.float32, v.dtype, idx_dtype)
     statics = (B, T, H, HV, float(K ** -0.5 if scale is None else scale), float(lower_bound) if use_lb else 0.0)
@@ -674,8 +659,6 @@ def compile_targets():
         "k256": build(K=256, V=256),
         "one_warp_v_first": build(state_v_first=True, warps=1),
         "two_warps": build(warps=2),
-        "loads_first": build(loads_first=True),
-        "loads_first_v_first": build(state_v_first=True, loads_first=True),
     }
 
 
