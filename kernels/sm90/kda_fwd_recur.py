@@ -57,7 +57,7 @@ RECUR_VARIANT = __import__("os").environ.get("CULA_KDA_RECUR_VARIANT", "v2")  # 
 # into stages instead; varlen batches have many short items, which the persistent grid chains. A stage is w + qg (2 x 16 KB) + Aqk (8 KB) + kgᵀ (16 KB) + u (8 KB) + γ (512 B)
 # = 66,048 B; three of them keep two chunks of loads in flight behind the one being consumed, which
 # is what the scratch stream needs at ~4 TB/s (B1 T16384 H64 reads ~1.2 GB of scratch).
-V2_STAGES = 3
+V2_STAGES = int(__import__("os").environ.get("CULA_KDA_RECUR_STAGES", "3"))  # env: A/B runs (2 frees 66 KB)
 V2_MATH_THREADS = 128  # warpgroup 0: every wgmma, the element-wise work and the o stores
 V2_TMA_WARP = 4  # the fifth warp issues the TMA loads; it holds no accumulators
 V2_THREADS = V2_MATH_THREADS + 32  # no setmaxnreg: at 1 CTA/SM 160 threads may use 255 registers each
