@@ -172,9 +172,14 @@ for s in $steps; do
         bash "$0" ncu ;;
     s2probe)  # session 12: what stage 2's state traffic and its third stage cost on the worst rows (splits)
         step s2_base 90 python3 -m cula.kernels.sm90.kda_fwd --check --split worst
-        step s2_nostate 90 python3 -m cula.kernels.sm90.kda_fwd --check --split worst --no-state
+        step s2_nostate 90 python3 -m cula.kernels.sm90.kda_fwd --check --split worst --no-h0 --no-ht
         step s2_stages2 90 env CULA_KDA_RECUR_STAGES=2 python3 -m cula.kernels.sm90.kda_fwd --check --split worst
         step s2_base2 90 python3 -m cula.kernels.sm90.kda_fwd --check --split worst ;;
+    s2state)  # session 12: stage 2's state traffic on the worst rows, by side (initial load / final store)
+        step s2_base 90 python3 -m cula.kernels.sm90.kda_fwd --check --split worst
+        step s2_noh0 90 python3 -m cula.kernels.sm90.kda_fwd --check --split worst --no-h0
+        step s2_noht 90 python3 -m cula.kernels.sm90.kda_fwd --check --split worst --no-ht
+        step s2_nopf 90 env CULA_KDA_RECUR_H0_PREFETCH=0 python3 -m cula.kernels.sm90.kda_fwd --check --split worst ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;

@@ -163,9 +163,9 @@ SPLIT_SMALL = ((1, 512, 64), (2, 512, 64), (1, 1024, 64), (2, 1024, 64))
 SPLIT_PDL = SPLIT_SMALL + ((1, 4096, 64), (1, 16384, 64), (2, 16384, 64), ("uniform", 20, 4096, 64))
 
 
-def split(dev, shapes=SPLIT_FIXED, with_state: bool = True) -> list[dict]:
+def split(dev, shapes=SPLIT_FIXED, initial: bool = True, final: bool = True) -> list[dict]:
     """Time each stage alone and both together (median ms, L2 flushed by do_bench), with the suite's flags
-    (``with_state=False``: no initial and no final state, to see what stage 2's state traffic costs)."""
+    (``initial`` / ``final`` False: no initial / no final state, to see what stage 2's state traffic costs)."""
     import triton.testing
 
     from cula.kernels.sm90.kda_fwd import kda_fwd
@@ -183,12 +183,12 @@ def split(dev, shapes=SPLIT_FIXED, with_state: bool = True) -> list[dict]:
             name, cu, N = f"B{B} T{T} H{H}", None, B
         q, k, v, g = (torch.randn(B, T, H, 128, device=dev, dtype=torch.bfloat16) for _ in range(4))
         beta = torch.randn(B, T, H, device=dev, dtype=torch.bfloat16)
-        h0 = torch.zeros(N, H, 128, 128, device=dev) if with_state else None
+        h0 = torch.zeros(N, H, 128, 128, device=dev) if initial else None
         kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                   A_log=torch.randn(H, device=dev), dt_bias=torch.randn(H * 128, device=dev) * 0.1,
-                  lower_bound=-5.0, safe_gate=True, initial_state=h0, output_final_state=with_state,
+                  lower_bound=-5.0, safe_gate=True, initial_state=h0, output_final_state=final,
                   cu_seqlens=cu)
-        row = dict(shape=name if with_state else f"{name} no-state")
+        row = dict(shape=name + ("" if initial else " no-h0") + ("" if final else " no-ht"))
         for stage, st in (("both", ("intra", "recur")), ("intra", ("intra",)), ("recur", ("recur",)),
                           ("host", ())):
             row[stage] = triton.testing.do_bench(lambda: kda_fwd(q, k, v, g, beta, **kw, stages=st),
@@ -230,11 +230,11 @@ def main(argv: list[str]) -> int:
 
         kf.INTRA_TC = False
         print("stage 1: SIMT only", flush=True)
-    if "--split" in argv:  # --split [varlen | all | worst | small | pdl] [--no-state]
+    if "--split" in argv:  # --split [varlen | all | worst | small | pdl] [--no-h0] [--no-ht]
         nxt = argv[argv.index("--split") + 1] if argv.index("--split") + 1 < len(argv) else ""
         sets = {"varlen": SPLIT_VARLEN, "all": SPLIT_FIXED + SPLIT_VARLEN, "worst": SPLIT_WORST,
                 "small": SPLIT_SMALL, "pdl": SPLIT_PDL}
-        split(dev, sets.get(nxt, SPLIT_FIXED), with_state="--no-state" not in argv)
+        split(dev, sets.get(nxt, SPLIT_FIXED), initial="--no-h0" not in argv, final="--no-ht" not in argv)
         return 0
     cases = CASES[:3] if "--quick" in argv else CASES
     if "--cases" in argv:  # comma list of case names
