@@ -88,6 +88,9 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_v2_blocked_inverse", False), ("recur", True),
                                                ("recur_v_first", True), ("recur_v2", True),
                                                ("recur_v2_v_first", True), ("recur_v2_no_state", True),
+                                               ("recur_v2_state_smem", True), ("recur_v2_state_smem_v_first", True),
+                                               ("recur_v2_state_smem_h0_only", True),
+                                               ("recur_v2_state_smem_ht_only", True),
                                                ("intra_tc", True),
                                                ("intra_tc_fp32_gate", True), ("intra_tc_plain_gva", True),
                                                ("intra_tc_scalar_offdiag", True), ("intra_tc_two_wg", True),
@@ -119,16 +122,26 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         assert rep.count("cp.async.bulk.tensor") == 8  # w, qg (two 128-byte boxes each), u, γ, kgᵀ, Aqk
         from cula.kernels.sm90.kda_fwd_recur import V2_H0_PREFETCH
 
-        # the next item's state tile, 2 lines per thread (none without an initial state)
-        pf = 2 if "no_state" not in target and V2_H0_PREFETCH else 0
+        smem_state = "state_smem" in target
+        # the next item's state tile, 2 lines per thread (none without an initial state, nor where the
+        # state moves through shared memory: there it is a cp.async of 16 pieces, at two call sites)
+        pf = 2 if "no_state" not in target and V2_H0_PREFETCH and not smem_state else 0
         assert rep.count("prefetch.global.L2") == pf
+        h0_async = smem_state and "ht_only" not in target
+        assert rep.count("cp.async.cg.shared.global") == (32 if h0_async else 0)
+        # scalar state loads / stores only where the state stays in registers end to end
+        scalar = not smem_state and "no_state" not in target
+        assert (rep.count("ld.global.f32") >= 64) == scalar and (rep.count("st.global.f32") >= 64) == scalar
         from cula.kernels.sm90.kda_fwd_recur import PDL
 
         # programmatic dependent launch: the TMA warp alone waits for stage 1's grid, once per CTA
         assert rep.count("griddepcontrol.wait") == (1 if PDL else 0)
         # ptxas did not have to serialise any wgmma (registers of one in flight read too early)
         assert "C7517" not in rep.ptxas_log and "serialized" not in rep.ptxas_log
-        assert rep.count("bar.sync") == 1  # the mbarrier-init barrier only: no CTA barrier per chunk
+        # the mbarrier-init barrier only: no CTA barrier per chunk (the state buffer's are per item, among
+        # the math warps: named barrier 1)
+        assert rep.count("bar.sync \t0;") == 1
+        assert (rep.count("bar.sync 1, 128;") > 0) == smem_state
         assert rep.count("st.global.v4") >= 4 and rep.count("ld.shared.v4") >= 4  # o as 16-byte rows
         assert rep.count("ld.shared.v2.f32") >= 16  # γ from the stage (pairs of k)
     if target.startswith("intra_tc"):
@@ -189,6 +202,24 @@ def test_recur_v2_layout_facts():
     assert facts["warp_row_mismatches"] == 0 and facts["o_staging_exact_cover"]
     assert facts["u_read_conflicts"] == facts["o_write_conflicts"] == facts["o_read_conflicts"] == 0
     assert facts["swizzle_t64"] == "S<3,4,3>" and facts["u_tile_is_aqk_tile"]
+
+
+def test_recur_state_smem_choice(monkeypatch):
+    """Stage 2 moves the state through shared memory for short sequences with a state, not long ones."""
+    from cula.kernels.sm90 import kda_fwd_recur as kr
+
+    monkeypatch.setattr(kr, "STATE_SMEM_ENV", None)
+    assert kr.use_state_smem(20, 20 * 4, True)  # varlen n20 T4096: 4 chunks a sequence
+    assert kr.use_state_smem(10, 10 * 16, True) and not kr.use_state_smem(10, 10 * 16 + 1, True)
+    assert not kr.use_state_smem(2, 512, True)  # B2 T16384
+    assert not kr.use_state_smem(20, 80, False)  # nothing to move
+    monkeypatch.setattr(kr, "STATE_SMEM_ENV", "1")
+    assert kr.use_state_smem(2, 512, True) and not kr.use_state_smem(2, 512, False)
+    monkeypatch.setattr(kr, "STATE_SMEM_ENV", "0")
+    assert not kr.use_state_smem(20, 80, True)
+    flags = dict(has_initial_state=False, output_final_state=False, state_v_first=False)
+    assert not kr.KdaFwdRecur(**flags, variant="v2", state_smem=True).state_smem  # no state: the plain body
+    assert kr.KdaFwdRecur(**{**flags, "output_final_state": True}, variant="v2", state_smem=True).stages == 2
 
 
 def test_recur_variant_selector(monkeypatch):
@@ -315,15 +346,19 @@ RECUR_CASES = ["T1", "T15-l2-gate", "T65-gva-vfirst", "T1000-all", "varlen-zero"
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("name", RECUR_CASES)
-@pytest.mark.parametrize("with_state", [True, False], ids=["state", "nostate"])
-def test_gpu_recur_v2_matches_v1(name, with_state):
+@pytest.mark.parametrize("state", ["h0-ht", "h0", "ht", "none"])
+@pytest.mark.parametrize("state_smem", [False, True], ids=["state-regs", "state-smem"])
+def test_gpu_recur_v2_matches_v1(name, state, state_smem):
     """Stage 2 alone, v2 against v1 on the same scratch (the exact emulation of stage 1 in the kernels'
     dtypes, so no stage-1 compile): the same products in the same order on the same bf16 values, so
     equal to fp32 rounding (expected bitwise); both within bf16 error of the fp64 recurrence on that
-    scratch; v2 deterministic, and bitwise the same on a 3-CTA persistent grid."""
+    scratch; v2 deterministic, and bitwise the same on a 3-CTA persistent grid. ``state``: which of the
+    initial / final state the call has; ``state_smem``: v2 moves the state through shared memory."""
     from cula.kernels.sm90 import kda_fwd_check as chk
     from cula.kernels.sm90 import kda_fwd_recur as kr
 
+    if state == "none" and state_smem:
+        pytest.skip("no state to move: the same kernel as state-regs")
     dev = torch.device("cuda")
     case = next(c for c in chk.CASES if c[0] == name)
     args, kw = chk._inputs(*case, dev=dev)
@@ -332,31 +367,33 @@ def test_gpu_recur_v2_matches_v1(name, with_state):
     scratch = {n: exact[n].to(torch.float32 if n == "gam" else torch.bfloat16) for n in exact}
     cu = kw["cu_seqlens"] if kw["cu_seqlens"] is not None else torch.arange(B + 1, device=dev) * T
     chunks, seqs, _ = kda_fwd.chunk_tables(cu)
-    h0 = kw["initial_state"] if with_state else None
+    h0 = kw["initial_state"] if state.startswith("h0") else None
+    final = state.endswith("ht")
     v_first = kw.get("state_v_first", False)
-    outs = {v: kr.run(scratch, chunks, seqs, B * T, h0, with_state, v_first, variant=v) for v in ("v1", "v2")}
-    again = kr.run(scratch, chunks, seqs, B * T, h0, with_state, v_first, variant="v2")
+    ssm = dict(state_smem=state_smem)
+    outs = {"v1": kr.run(scratch, chunks, seqs, B * T, h0, final, v_first, variant="v1"),
+            "v2": kr.run(scratch, chunks, seqs, B * T, h0, final, v_first, variant="v2", **ssm)}
+    again = kr.run(scratch, chunks, seqs, B * T, h0, final, v_first, variant="v2", **ssm)
     # 3 persistent CTAs: each walks many (V tile, head, sequence) items, the TMA ring running on across
     # item boundaries (zero-chunk items included); the same products, so bitwise the full grid's
-    few = kr.run(scratch, chunks, seqs, B * T, h0, with_state, v_first, variant="v2", max_ctas=3)
+    few = kr.run(scratch, chunks, seqs, B * T, h0, final, v_first, variant="v2", max_ctas=3, **ssm)
     torch.cuda.synchronize()
-    o_ref, ht_ref = kda_fwd.emulate_recurrence(scratch, chunks, seqs, B * T, h0, with_state, v_first, torch.float64)
+    o_ref, ht_ref = kda_fwd.emulate_recurrence(scratch, chunks, seqs, B * T, h0, final, v_first, torch.float64)
 
     def rel(a, b):
         return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
     (o1, ht1), (o2, ht2) = outs["v1"], outs["v2"]
     errs = dict(o_v2_v1=rel(o2, o1), o_v1_ref=rel(o1, o_ref), o_v2_ref=rel(o2, o_ref),
-                bitwise=torch.equal(o1, o2) and (not with_state or torch.equal(ht1, ht2)))
-    if with_state:
+                bitwise=torch.equal(o1, o2) and (not final or torch.equal(ht1, ht2)))
+    if final:
         errs.update(ht_v2_v1=rel(ht2, ht1), ht_v2_ref=rel(ht2, ht_ref))
-    print(name, errs)
+    print(name, state, state_smem, errs)
     assert errs["o_v2_v1"] < 1e-5 and errs["o_v2_ref"] < chk.TOL_O, errs
     assert torch.equal(again[0], o2), "v2 is not deterministic"
     assert torch.equal(few[0], o2), "v2 on 3 persistent CTAs differs from one CTA per item"
-    if with_state:
+    if final:
         assert torch.equal(few[1], ht2)
-    if with_state:
         assert errs["ht_v2_v1"] < 1e-5 and errs["ht_v2_ref"] < chk.TOL_O, errs
         assert torch.equal(again[1], ht2)
 

@@ -180,6 +180,15 @@ for s in $steps; do
         step s2_noh0 90 python3 -m cula.kernels.sm90.kda_fwd --check --split worst --no-h0
         step s2_noht 90 python3 -m cula.kernels.sm90.kda_fwd --check --split worst --no-ht
         step s2_nopf 90 env CULA_KDA_RECUR_H0_PREFETCH=0 python3 -m cula.kernels.sm90.kda_fwd --check --split worst ;;
+    ssm)  # session 12: stage 2's state through shared memory (short sequences): GPU tests, checks, A/B/A/B splits
+        step ssm_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --maxfail=10 \
+            tests/test_kernel_kda_fwd.py -k gpu_recur_v2
+        step ssm_check 200 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases varlen-33,varlen-zero,tc-varlen-33,tc-varlen-zero,tc-T65-gva-vfirst,T1
+        for a in 0 1 0 1; do
+            step ssm_split$a 60 env CULA_KDA_RECUR_STATE_SMEM=$a python3 -m cula.kernels.sm90.kda_fwd --check \
+                --split worst
+        done ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;

@@ -75,6 +75,30 @@ V2_O_VECS = CHUNK * V2_O_ROWS // 8 // 32  # 16-byte vectors per lane per chunk (
 V2_H0_PREFETCH = __import__("os").environ.get("CULA_KDA_RECUR_H0_PREFETCH", "1") == "1"
 #: ...for items of at most this many chunks (~0.7 µs each): L2 keeps a line ~10 µs under the stream.
 V2_H0_PREFETCH_MAX_CHUNKS = 16
+#: Short items (varlen batches): the state moves through one shared-memory buffer instead of 64 scalar
+#: global loads and stores per thread on the critical path. The math warps ask for the next item's initial
+#: state with ``cp.async`` (16-byte pieces, no registers) as soon as an item starts; at the next item's
+#: start each thread swaps its fragment with the buffer (the new initial state in, the finished item's
+#: final state out) and the warpgroup copies the buffer out as 16-byte rows. It takes the third TMA
+#: stage's 66 KB (two stages), so it is used where sequences average at most ``STATE_SMEM_MAX_CHUNKS``
+#: chunks. Measured before it (H200, session 12, `--split worst --no-h0 / --no-ht`): on varlen n20 T4096
+#: the initial-state loads cost stage 2 ~28 µs and the final-state stores ~21 µs of ~175.
+#: ``CULA_KDA_RECUR_STATE_SMEM=0|1`` overrides the choice for A/B runs.
+STATE_SMEM_MAX_CHUNKS = 16
+STATE_SMEM_ENV = __import__("os").environ.get("CULA_KDA_RECUR_STATE_SMEM")
+STATE_PITCH_KF = BV + 4  # K-first buffer [128 k][64 v] rows: 16-byte aligned, fragment reads conflict-free
+STATE_PITCH_VF = DK + 4  # V-first buffer [64 v][128 k] rows
+STATE_BUF = max(DK * STATE_PITCH_KF, BV * STATE_PITCH_VF)  # fp32 elements (34,816 B)
+STATE_PIECES = BV * DK // 4 // V2_MATH_THREADS  # 16-byte pieces of a state tile per math thread (16)
+STATE_BARRIER = 1  # named barrier of the 128 math threads (0 is the CTA's)
+
+
+def use_state_smem(num_seqs: int, num_chunks: int, has_state: bool) -> bool:
+    """Whether ``kda_fwd`` moves stage 2's state through shared memory: short sequences (on average at most
+    ``STATE_SMEM_MAX_CHUNKS`` chunks) with an initial or a final state, unless the environment says."""
+    if STATE_SMEM_ENV is not None:
+        return STATE_SMEM_ENV == "1" and has_state
+    return has_state and num_chunks <= STATE_SMEM_MAX_CHUNKS * max(num_seqs, 1)
 #: Programmatic dependent launch: v2 is launched while stage 1 still runs its last wave (stage 1's CTAs
 #: signal ``griddepcontrol.launch_dependents`` on entry), so its launch, mbarrier setup and first state
 #: loads overlap stage 1's tail; only the TMA warp, the one reader of stage 1's scratch, waits for stage 1
@@ -98,7 +122,8 @@ class KdaFwdRecur:
     """Compile-time configuration of the recurrence kernel."""
 
     def __init__(self, has_initial_state: bool, output_final_state: bool, state_v_first: bool,
-                 variant: str | None = None, h0_prefetch: bool | None = None, pdl: bool | None = None):
+                 variant: str | None = None, h0_prefetch: bool | None = None, pdl: bool | None = None,
+                 state_smem: bool = False):
         self.has_h0 = has_initial_state
         self.pdl = PDL if pdl is None else pdl
         self.h0_prefetch = V2_H0_PREFETCH if h0_prefetch is None else h0_prefetch
@@ -108,6 +133,9 @@ class KdaFwdRecur:
         if variant not in VARIANTS:
             raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
         self.variant = variant
+        # the state through shared memory (v2 only, and only when there is a state to move)
+        self.state_smem = bool(state_smem and variant == "v2" and (has_initial_state or output_final_state))
+        self.stages = 2 if self.state_smem else V2_STAGES
 
     def _setup(self):
         """MMA atoms and smem layouts (needs the DSL's IR context: called inside __call__)."""
@@ -438,7 +466,7 @@ class KdaFwdRecur:
         self.mma_rs_n64 = sm90_utils.make_trivial_tiled_mma(bf16, bf16, kmaj, kmaj, f32, (1, 1, 1), (BV, CHUNK), rmem)
         self.mma_rs_n128 = sm90_utils.make_trivial_tiled_mma(bf16, bf16, kmaj, kmaj, f32, (1, 1, 1), (BV, DK), rmem)
         row = utils.LayoutEnum.ROW_MAJOR
-        S = V2_STAGES
+        S = self.stages
         self.w2_layout = sm90_utils.make_smem_layout_b(row, (BV, CHUNK, DK), bf16, S)  # w, qg [64 tok, 128 k]
         # Aqk [64 tok, 64 tok] and u [64 tok, 64 v]: the same 128-byte-swizzled 64x64 tile. The swizzle
         # also makes the element reads of u conflict-free: the tokens 0, 2, 4, 6 a warp reads at one
@@ -506,7 +534,7 @@ class KdaFwdRecur:
 
         @cute.struct
         class SharedStorageV2:
-            bars: cute.struct.MemRange[cutlass.Int64, V2_STAGES * 2]
+            bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             sW: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.w2_layout)], 1024]
             sQG: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.w2_layout)], 1024]
             sAqk: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.t64_layout)], 1024]
@@ -514,6 +542,7 @@ class KdaFwdRecur:
             sU: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.t64_layout)], 1024]
             sGam: cute.struct.Align[cute.struct.MemRange[f32, cute.cosize(self.gam_layout)], 128]
             sO: cute.struct.Align[cute.struct.MemRange[mO.element_type, V2_WARPS * V2_O_TILE], 128]
+            sH: cute.struct.Align[cute.struct.MemRange[f32, STATE_BUF if self.state_smem else 4], 128]
 
         self.shared_storage_v2 = SharedStorageV2
         assert SharedStorageV2.size_in_bytes() <= SMEM_PER_BLOCK, "v2's stages do not fit one CTA"
@@ -569,7 +598,7 @@ class KdaFwdRecur:
         storage = smem.allocate(self.shared_storage_v2)
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.bars.data_ptr(),
-            num_stages=V2_STAGES,
+            num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, V2_WARPS),
             tx_count=self.tx_bytes_v2,
@@ -587,6 +616,7 @@ class KdaFwdRecur:
         sGam = storage.sGam.get_tensor(gam_layout)  # (k, 1, stage)
         # this warp's o staging tile [64 tok, 16 v] (a warp's accumulator rows are 16 v of the 64)
         sO_w = storage.sO.data_ptr() + warp_idx * V2_O_TILE
+        sH = storage.sH.get_tensor(cute.make_layout(STATE_BUF if self.state_smem else 4))  # the state buffer
 
         if warp_idx == V2_TMA_WARP:
             # ============ TMA warp: each stage is refilled as soon as the math warps release it
@@ -599,7 +629,7 @@ class KdaFwdRecur:
                 cute.arch.griddepcontrol_wait()
             one = cute.make_layout(1)
             part = cute.nvgpu.cpasync.tma_partition
-            prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, V2_STAGES)
+            prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             for item in cutlass.range(cta, n_items, n_ctas, unroll=1):
                 vtile = item % n_vt
                 hv = (item // n_vt) % n_hv
@@ -653,7 +683,11 @@ class KdaFwdRecur:
             cS = thr128.partition_C(cute.make_identity_tensor((BV, DK)))  # (v, k)
             cN = thr64.partition_C(cute.make_identity_tensor((BV, CHUNK)))  # (v, tok)
             tOs = cute.make_tensor(sO_w, cute.make_layout((CHUNK, V2_O_ROWS), stride=(V2_O_PITCH, 1)))
-            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, V2_STAGES)
+            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            if cutlass.const_expr(self.state_smem):
+                acc_s.fill(0.0)  # what the first swap parks in the buffer (never copied out)
+                if cutlass.const_expr(self.has_h0):
+                    self.state_in_async(mH0, sH, cta, n_vt, n_hv, tidx)  # the grid has at most n_items CTAs
             for item in cutlass.range(cta, n_items, n_ctas, unroll=1):
                 vtile = item % n_vt
                 hv = (item // n_vt) % n_hv
@@ -662,9 +696,12 @@ class KdaFwdRecur:
                 c_first = mSeq[seq, 0]
                 n_chunks = mSeq[seq, 1]
                 # ---- initial state (either layout), as Sᵀ[v, k]
-                self.load_state(acc_s, cS, mH0, seq, hv, v0)
+                if cutlass.const_expr(self.state_smem):
+                    self.state_swap(acc_s, cS, sH, mH0, mHT, item, cta, n_ctas, n_items, n_vt, n_hv, tidx)
+                else:
+                    self.load_state(acc_s, cS, mH0, seq, hv, v0)
                 rS_c.store(acc_s.load().to(bf16))
-                if cutlass.const_expr(self.has_h0 and self.h0_prefetch):
+                if cutlass.const_expr(self.has_h0 and self.h0_prefetch and not self.state_smem):
                     # only when the next item starts soon: a line asked for a long item earlier is
                     # evicted by the scratch stream before it is read (B2 T16384: stage 2 4% slower)
                     if n_chunks <= V2_H0_PREFETCH_MAX_CHUNKS and item + n_ctas < n_items:
@@ -727,8 +764,85 @@ class KdaFwdRecur:
                 if n_chunks > 0:
                     self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, warp_idx, tidx, bos, seq_end, n_chunks - 1)
 
-                if cutlass.const_expr(self.store_ht):
+                if cutlass.const_expr(self.store_ht and not self.state_smem):
                     self.store_state(acc_s, cS, mHT, seq, hv, v0)
+
+            if cutlass.const_expr(self.state_smem and self.store_ht):
+                # the CTA's last item: its final state through the buffer (no swap left to carry it)
+                last = cta + ((n_items - 1 - cta) // n_ctas) * n_ctas
+                cute.arch.barrier(barrier_id=STATE_BARRIER, number_of_threads=V2_MATH_THREADS)
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    vv, kk = cS[i]
+                    sH[self.state_offset(vv, kk)] = acc_s[i]
+                cute.arch.barrier(barrier_id=STATE_BARRIER, number_of_threads=V2_MATH_THREADS)
+                self.state_out(sH, mHT, last, n_vt, n_hv, tidx)
+
+    def state_offset(self, vv, kk):
+        """Where the state element (v, k) of a tile sits in the buffer (padded rows: see STATE_PITCH_*)."""
+        if cutlass.const_expr(self.v_first):
+            return vv * STATE_PITCH_VF + kk
+        return kk * STATE_PITCH_KF + vv
+
+    def state_piece(self, item, n_vt, n_hv, tidx, m: int):
+        """This thread's m-th 16-byte piece of item ``item``'s state tile: (buffer offset, element offset
+        in the [N, HV, ., .] state). Consecutive threads take consecutive pieces of a row (256 B K-first,
+        512 B V-first), so a warp's accesses are whole rows on both sides."""
+        head = (item // (n_vt * n_hv)) * n_hv + (item // n_vt) % n_hv
+        v0 = (item % n_vt) * BV
+        c = tidx + V2_MATH_THREADS * m
+        if cutlass.const_expr(self.v_first):
+            r, p = c // (DK // 4), c % (DK // 4)
+            return r * STATE_PITCH_VF + 4 * p, head * (DK * DV) + (v0 + r) * DK + 4 * p
+        r, p = c // (BV // 4), c % (BV // 4)
+        return r * STATE_PITCH_KF + 4 * p, head * (DK * DV) + r * DV + v0 + 4 * p
+
+    @cute.jit
+    def state_in_async(self, mH0: cute.Tensor, sH: cute.Tensor, item, n_vt, n_hv, tidx):
+        """cp.async item ``item``'s initial state tile into the buffer (one commit group per call)."""
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                                   cutlass.Float32, num_bits_per_copy=128)
+        for m in cutlass.range_constexpr(STATE_PIECES):
+            so, go = self.state_piece(item, n_vt, n_hv, tidx, m)
+            src = cute.make_tensor(mH0.iterator + cute.assume(go, divby=4), cute.make_layout(4))
+            dst = cute.make_tensor(sH.iterator + cute.assume(so, divby=4), cute.make_layout(4))
+            cute.copy(atom, src, dst)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def state_out(self, sH: cute.Tensor, mHT: cute.Tensor, item, n_vt, n_hv, tidx):
+        """The buffer -> item ``item``'s final state tile, 16-byte pieces."""
+        for m in cutlass.range_constexpr(STATE_PIECES):
+            so, go = self.state_piece(item, n_vt, n_hv, tidx, m)
+            src = cute.make_tensor(sH.iterator + cute.assume(so, divby=4), cute.make_layout(4))
+            dst = cute.make_tensor(mHT.iterator + cute.assume(go, divby=4), cute.make_layout(4))
+            dst.store(src.load())
+
+    @cute.jit
+    def state_swap(self, acc_s, cS, sH, mH0, mHT, item, cta, n_ctas, n_items, n_vt, n_hv, tidx):
+        """Item ``item``'s start: its initial state (in the buffer since the previous item started) into
+        the accumulator, the previous item's final state (in the accumulator) out through the buffer; then
+        the next item's initial state is asked for. Each thread swaps only its own fragment's elements."""
+        if cutlass.const_expr(self.has_h0):
+            cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier(barrier_id=STATE_BARRIER, number_of_threads=V2_MATH_THREADS)
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            vv, kk = cS[i]
+            off = self.state_offset(vv, kk)
+            h = cutlass.Float32(0.0)
+            if cutlass.const_expr(self.has_h0):
+                h = sH[off]
+            if cutlass.const_expr(self.store_ht):
+                sH[off] = acc_s[i]
+            acc_s[i] = h
+        if cutlass.const_expr(self.store_ht):
+            cute.arch.barrier(barrier_id=STATE_BARRIER, number_of_threads=V2_MATH_THREADS)
+            if item != cta:
+                self.state_out(sH, mHT, item - n_ctas, n_vt, n_hv, tidx)
+            # every read of the buffer is done before the next initial state lands in it
+            cute.arch.barrier(barrier_id=STATE_BARRIER, number_of_threads=V2_MATH_THREADS)
+        if cutlass.const_expr(self.has_h0):
+            if item + n_ctas < n_items:
+                self.state_in_async(mH0, sH, item + n_ctas, n_vt, n_hv, tidx)
 
     @cute.jit
     def prefetch_next_state(self, mH0: cute.Tensor, nxt, n_vt, n_hv, tidx):
@@ -796,6 +910,10 @@ def compile_targets():
         targets[f"{pre}v_first"] = build(**{**full, "state_v_first": True}, variant=variant)
         targets[f"{pre}no_state"] = build(has_initial_state=False, output_final_state=False, state_v_first=False,
                                           variant=variant)
+    targets["v2_state_smem"] = build(**full, variant="v2", state_smem=True)
+    targets["v2_state_smem_v_first"] = build(**{**full, "state_v_first": True}, variant="v2", state_smem=True)
+    targets["v2_state_smem_h0_only"] = build(**{**full, "output_final_state": False}, variant="v2", state_smem=True)
+    targets["v2_state_smem_ht_only"] = build(**{**full, "has_initial_state": False}, variant="v2", state_smem=True)
     return targets
 
 
@@ -895,19 +1013,22 @@ def layout_facts() -> dict:
 # stage 2 alone on a GPU: either body on a given scratch (tests, timing)
 # ------------------------------------------------------------------------------------------------
 def run(scratch: dict, chunks, seqs, total_tokens: int, initial_state=None, output_final_state: bool = True,
-        state_v_first: bool = False, variant: str | None = None, o_dtype=None, max_ctas: int | None = None):
+        state_v_first: bool = False, variant: str | None = None, o_dtype=None, max_ctas: int | None = None,
+        state_smem: bool = False):
     """Launch only the recurrence (``variant``: ``VARIANTS``, default ``RECUR_VARIANT``) on a stage-1
     scratch in the kernels' dtypes (w, qg, aqk, kgt, u bf16; gam fp32) and chunk tables on the GPU.
     ``max_ctas`` caps v2's persistent grid (default: one CTA per SM; tests use a few CTAs so each walks
-    many work items). Returns ``(o [TT, HV, 128], final state or None)``."""
+    many work items; ``state_smem``: v2 moves the state through shared memory). Returns
+    ``(o [TT, HV, 128], final state or None)``."""
     launch, o, ht = prepare(scratch, chunks, seqs, total_tokens, initial_state, output_final_state,
-                            state_v_first, variant, o_dtype, max_ctas)
+                            state_v_first, variant, o_dtype, max_ctas, state_smem)
     launch()
     return o, ht
 
 
 def prepare(scratch: dict, chunks, seqs, total_tokens: int, initial_state=None, output_final_state: bool = True,
-            state_v_first: bool = False, variant: str | None = None, o_dtype=None, max_ctas: int | None = None):
+            state_v_first: bool = False, variant: str | None = None, o_dtype=None, max_ctas: int | None = None,
+            state_smem: bool = False):
     """``run`` split in two: compiles (once per variant and flags, into ``kda_fwd``'s cache under its own
     key, so it never replaces what ``kda_fwd()`` launches) and returns ``(launch, o, final state or
     None)``; each ``launch()`` queues the kernel again on the same buffers (timing without host work)."""
@@ -939,9 +1060,10 @@ def prepare(scratch: dict, chunks, seqs, total_tokens: int, initial_state=None, 
     args = (*(kf._ptr(t) for t in bufs), kf._ptr(tables[0], 8), kf._ptr(tables[1], 8),
             *(kf._ptr(t) for t in (o, h0, ht)), i32(total_tokens), i32(HV), i32(NC), i32(N),
             i32(max_ctas if max_ctas is not None else kf.sm_count(dev)), stream)
-    key = (f"recur_{variant}", (tuple(sorted(flags.items())), o_dt))
+    key = (f"recur_{variant}", (tuple(sorted(flags.items())), o_dt, bool(state_smem)))
     if key not in kf._COMPILED:
-        kf._COMPILED[key] = cute.compile(KdaFwdRecur(**flags, variant=variant), *fake_args(o_dt), make_fake_stream())
+        kern = KdaFwdRecur(**flags, variant=variant, state_smem=state_smem)
+        kf._COMPILED[key] = cute.compile(kern, *fake_args(o_dt), make_fake_stream())
     fn = kf._COMPILED[key]
     keep = (bufs, tables, h0)  # the pointers alone do not keep this memory alive
 
