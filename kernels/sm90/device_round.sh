@@ -189,6 +189,11 @@ for s in $steps; do
             step ssm_split$a 60 env CULA_KDA_RECUR_STATE_SMEM=$a python3 -m cula.kernels.sm90.kda_fwd --check \
                 --split worst
         done ;;
+    ssm_items)  # session 12: stage 2's state buffer on longer varlen items (7-26 chunks a sequence), A/B/A/B
+        for a in 0 1 0 1; do
+            step ssm_items$a 60 env CULA_KDA_RECUR_STATE_SMEM=$a python3 -m cula.kernels.sm90.kda_fwd --check \
+                --split items
+        done ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;

@@ -163,6 +163,11 @@ SPLIT_SMALL = ((1, 512, 64), (2, 512, 64), (1, 1024, 64), (2, 1024, 64))
 SPLIT_PDL = SPLIT_SMALL + ((1, 4096, 64), (1, 16384, 64), (2, 16384, 64), ("uniform", 20, 4096, 64))
 
 
+#: varlen rows by average chunks per sequence (7, 13, 13, 26): where stage 2's state buffer stops paying
+SPLIT_ITEMS = (("uniform", 20, 8192, 64), ("uniform", 20, 16384, 64), ("uniform", 10, 8192, 64),
+               ("uniform", 10, 16384, 64))
+
+
 def split(dev, shapes=SPLIT_FIXED, initial: bool = True, final: bool = True) -> list[dict]:
     """Time each stage alone and both together (median ms, L2 flushed by do_bench), with the suite's flags
     (``initial`` / ``final`` False: no initial / no final state, to see what stage 2's state traffic costs)."""
@@ -230,10 +235,11 @@ def main(argv: list[str]) -> int:
 
         kf.INTRA_TC = False
         print("stage 1: SIMT only", flush=True)
-    if "--split" in argv:  # --split [varlen | all | worst | small | pdl] [--no-h0] [--no-ht]
+    if "--split" in argv:  # --split [varlen | all | worst | small | pdl | items] [--no-h0] [--no-ht]
         nxt = argv[argv.index("--split") + 1] if argv.index("--split") + 1 < len(argv) else ""
         sets = {"varlen": SPLIT_VARLEN, "all": SPLIT_FIXED + SPLIT_VARLEN, "worst": SPLIT_WORST,
-                "small": SPLIT_SMALL, "pdl": SPLIT_PDL}
+                "small": SPLIT_SMALL, "pdl": SPLIT_PDL,
+                "items": SPLIT_ITEMS}
         split(dev, sets.get(nxt, SPLIT_FIXED), initial="--no-h0" not in argv, final="--no-ht" not in argv)
         return 0
     cases = CASES[:3] if "--quick" in argv else CASES
