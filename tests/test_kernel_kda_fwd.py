@@ -210,7 +210,7 @@ def test_recur_state_smem_choice(monkeypatch):
 
     monkeypatch.setattr(kr, "STATE_SMEM_ENV", None)
     assert kr.use_state_smem(20, 20 * 4, True)  # varlen n20 T4096: 4 chunks a sequence
-    assert kr.use_state_smem(10, 10 * 16, True) and not kr.use_state_smem(10, 10 * 16 + 1, True)
+    assert kr.use_state_smem(10, 10 * 7, True) and not kr.use_state_smem(10, 10 * 7 + 1, True)
     assert not kr.use_state_smem(2, 512, True)  # B2 T16384
     assert not kr.use_state_smem(20, 80, False)  # nothing to move
     monkeypatch.setattr(kr, "STATE_SMEM_ENV", "1")

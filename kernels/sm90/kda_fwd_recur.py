@@ -80,11 +80,12 @@ V2_H0_PREFETCH_MAX_CHUNKS = 16
 #: state with ``cp.async`` (16-byte pieces, no registers) as soon as an item starts; at the next item's
 #: start each thread swaps its fragment with the buffer (the new initial state in, the finished item's
 #: final state out) and the warpgroup copies the buffer out as 16-byte rows. It takes the third TMA
-#: stage's 66 KB (two stages), so it is used where sequences average at most ``STATE_SMEM_MAX_CHUNKS``
-#: chunks. Measured before it (H200, session 12, `--split worst --no-h0 / --no-ht`): on varlen n20 T4096
-#: the initial-state loads cost stage 2 ~28 µs and the final-state stores ~21 µs of ~175.
-#: ``CULA_KDA_RECUR_STATE_SMEM=0|1`` overrides the choice for A/B runs.
-STATE_SMEM_MAX_CHUNKS = 16
+#: stage's 66 KB (two stages), which costs long items more than the buffer saves, so it is used where
+#: sequences average at most ``STATE_SMEM_MAX_CHUNKS`` chunks. H200, session 12 (`--split worst / items`,
+#: A/B/A/B, both stages): varlen n20 T4096 (4 chunks a sequence) 0.505 -> 0.491 ms (stage 2 0.181 ->
+#: 0.168), n20 T8192 (7) 0.838 -> 0.836, n20 T16384 and n10 T8192 (13) +1.7% / +2.1%, n10 T16384 (26)
+#: +3%, B2 T16384 +4%. ``CULA_KDA_RECUR_STATE_SMEM=0|1`` overrides the choice for A/B runs.
+STATE_SMEM_MAX_CHUNKS = 7
 STATE_SMEM_ENV = __import__("os").environ.get("CULA_KDA_RECUR_STATE_SMEM")
 STATE_PITCH_KF = BV + 4  # K-first buffer [128 k][64 v] rows: 16-byte aligned, fragment reads conflict-free
 STATE_PITCH_VF = DK + 4  # V-first buffer [64 v][128 k] rows
