@@ -194,6 +194,15 @@ for s in $steps; do
             step ssm_items$a 60 env CULA_KDA_RECUR_STATE_SMEM=$a python3 -m cula.kernels.sm90.kda_fwd --check \
                 --split items
         done ;;
+    o_in_u)  # session 12 (CPU-compiled only): the state buffer with three stages, o staged in the u tiles
+        step oiu_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --maxfail=10 \
+            tests/test_kernel_kda_fwd.py -k gpu_recur_v2
+        for a in 0 1 0 1; do
+            step oiu_split$a 90 env CULA_KDA_RECUR_O_IN_U=$a python3 -m cula.kernels.sm90.kda_fwd --check \
+                --split worst
+            step oiu_items$a 90 env CULA_KDA_RECUR_O_IN_U=$a CULA_KDA_RECUR_STATE_SMEM=1 \
+                python3 -m cula.kernels.sm90.kda_fwd --check --split items
+        done ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;

@@ -554,8 +554,10 @@ def kda_fwd(
         variant, pf = recur.RECUR_VARIANT, recur.V2_H0_PREFETCH
         pdl = recur.PDL and NC * HV <= recur.PDL_MAX_STAGE1_CTAS
         ssm = variant == "v2" and recur.use_state_smem(N, NC, h0 is not None or bool(output_final_state))
-        _launcher("recur", (tuple(sorted(rflags.items())), o_dt, variant, pf, pdl, ssm),
-                  lambda: recur.KdaFwdRecur(**rflags, variant=variant, h0_prefetch=pf, pdl=pdl, state_smem=ssm),
+        o_in_u = ssm and recur.O_IN_U
+        _launcher("recur", (tuple(sorted(rflags.items())), o_dt, variant, pf, pdl, ssm, o_in_u),
+                  lambda: recur.KdaFwdRecur(**rflags, variant=variant, h0_prefetch=pf, pdl=pdl, state_smem=ssm,
+                                            o_in_u=o_in_u),
                   _recur_specs(o_dt))(
             w.data_ptr(), qg.data_ptr(), aqk.data_ptr(), kgt.data_ptr(), u.data_ptr(), gam.data_ptr(),
             chunks.data_ptr(), seqs.data_ptr(), o.data_ptr(), (h0 if h0 is not None else dummy).data_ptr(),
