@@ -45,10 +45,11 @@ for s in $steps; do
         step kda_check 130 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases tc-varlen-33,tc-varlen-zero,varlen-zero
         step kda_split 60 python3 -m cula.kernels.sm90.kda_fwd --check --split all ;;
-    next)  # the next session's plan (docs/DEVICE.md): public-op GPU tests, the remaining stage-1 checks
-        step api_gpu 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --maxfail=10 tests/test_api_gpu.py \
-            -k "gla or gradients or repeated"
-        step kda_check 200 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-varlen-33 ;;
+    next)  # the next session's plan (docs/DEVICE.md, session 12): the state buffer through dispatch (the checks
+        # the ssm step's timeout cut), then the opt-in o_in_u variant (tests, A/B splits); suites after, by hand
+        step ssm_check2 400 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases varlen-33,tc-varlen-33,tc-varlen-zero,tc-T65-gva-vfirst
+        bash "$0" o_in_u ;;
     ncu)  # stage 1's stall reasons by instruction (session 6): full set on one B1 T4096 launch (WG=2: two warpgroups)
         step ncu 200 env CULA_KDA_TC_WARPGROUPS=${WG:-1} ncu --clock-control none -k regex:intra_tc --launch-count 1 --set full \
             --import-source no -o "$OUT/intra_tc" python3 -m cula.kernels.sm90.kda_fwd_profile --stage intra
