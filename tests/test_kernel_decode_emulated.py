@@ -28,6 +28,7 @@ def run_emulated(monkeypatch, module, inputs):
     out = torch.full_like(inputs["v"], float("nan"))  # every output element must be written
     mem.register(out)
     make_final = decode_host.new_state
+    kernel_cls = kd.KdaDecode if module is kd else ld.LightningDecode
 
     def new_final_state(*args, **kwargs):
         t = make_final(*args, **kwargs)
@@ -36,7 +37,6 @@ def run_emulated(monkeypatch, module, inputs):
 
     def launcher(key):
         config, dtypes = key
-        kernel_cls = kd.KdaDecode if module is kd else ld.LightningDecode  # looked up late: tests may wrap it
         kernel = emu.emulated_instance(kernel_cls(*config), HELPERS)
         specs = module._specs(dtypes)
 

@@ -185,12 +185,11 @@ class KdaDecode:
         warp, lane, la, lb, v0w = self.lane_layout(tidx)
         v0 = vs * self.v_cta + v0w
         hq = hv // (HV // H)
-        # ---- 1. issue every load before any math: the state's (32 per thread), then the per-token inputs
-        # (the other order measured the same on the H200, session 12: decode.md);
-        # ---- 2. the prologue's math (per-token vectors in shared memory, once per CTA) under the state's
+        # ---- 1. issue the state loads first: their latency covers the prologue below
         state = self.load_state(pH0, slot, hv, HV, la, lb, v0)
-        raw = self.prologue_loads(pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b, T, H, HV)
-        smem = self.prologue(raw, warp, lane, vs, T, scale, lower_bound)
+        # ---- 2. prologue: per-token vectors in shared memory, once per CTA
+        smem = self.prologue(pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b, T, H, HV, scale,
+                             lower_bound)
         cute.arch.sync_threads()
         # ---- 3. the tokens, in order, on the register-resident state; 4. the state back
         self.finish_row(state, smem, pHt, pO, la, lb, v0w, v0, hv, b, slot, T, HV)
@@ -213,23 +212,35 @@ class KdaDecode:
         return state
 
     @cute.jit
-    def prologue_loads(self, pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b, T, H, HV):
-        """Issue this warp's loads of the per-token inputs (token t -> warp ``t % warps``, slot
-        ``t // warps``) and of the gate parameters; returns the registers they land in."""
+    def prologue(self, pQ, pK, pV, pG, pBeta, pALog, pDtBias, warp, lane, vs, hv, hq, b, T, H, HV, scale,
+                 lower_bound):
+        """Per-token vectors in shared memory, once per CTA: the gate's decay factors, l2-normalised and
+        scaled q, normalised k, q.k, the beta sigmoid and the CTA's values of v of batch row ``b``. Token
+        t goes to warp ``t % warps``. Returns (sQ, sK, sD, sV, sS)."""
         f32 = cutlass.Float32
         K, V = self.K, self.V
         v_cta = vs * self.v_cta
+        smem = cutlass.utils.SmemAllocator()
+        sQ = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
+        sK = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
+        sD = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
+        sV = smem.allocate_tensor(f32, cute.make_layout((MAX_T, self.v_cta), stride=(self.v_cta, 1)), 16)
+        sS = smem.allocate_tensor(f32, cute.make_layout((MAX_T, 2), stride=(2, 1)), 16)  # beta, q.k
+
         kpl = self.kpl
         kk = lane * kpl
-        a_log = f32(0.0)
+        a_exp = f32(1.0)
         if cutlass.const_expr(self.use_gate and self.has_a_log):
-            a_log = load1(pALog, hv).to(f32)
+            a_exp = cute.math.exp(load1(pALog, hv).to(f32))
         bias = cute.make_rmem_tensor(cute.make_layout(kpl), f32)
         for j in cutlass.range_constexpr(kpl):
             bias[j] = f32(0.0)
         if cutlass.const_expr(self.use_gate and self.has_dt_bias):
             for j in cutlass.range_constexpr(kpl):
                 bias[j] = load1(pDtBias, hv * K + kk + j).to(f32)
+
+        # all loads of this warp's tokens first (token t -> warp t % warps, slot t // warps), so their
+        # latencies overlap; then the math, whose warp reductions wait on them
         nt = self.slots
         qr = cute.make_rmem_tensor(cute.make_layout((kpl, nt), stride=(1, kpl)), pQ.dtype)
         kr = cute.make_rmem_tensor(cute.make_layout((kpl, nt), stride=(1, kpl)), pK.dtype)
@@ -248,30 +259,7 @@ class KdaDecode:
                     vr[j] = load1(pV, row_v * V + v_cta + lane)
                 if lane == 0:
                     br[j] = load1(pBeta, row_v)
-        return qr, kr, gr, vr, br, a_log, bias
-
-    @cute.jit
-    def prologue(self, raw, warp, lane, vs, T, scale, lower_bound):
-        """Per-token vectors in shared memory, once per CTA, from the registers of :meth:`prologue_loads`:
-        the gate's decay factors, l2-normalised and scaled q, normalised k, q.k, the beta sigmoid and the
-        CTA's values of v. Returns (sQ, sK, sD, sV, sS)."""
-        f32 = cutlass.Float32
-        K = self.K
-        qr, kr, gr, vr, br, a_log, bias = raw
-        smem = cutlass.utils.SmemAllocator()
-        sQ = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
-        sK = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
-        sD = smem.allocate_tensor(f32, cute.make_layout((MAX_T, K), stride=(K, 1)), 16)
-        sV = smem.allocate_tensor(f32, cute.make_layout((MAX_T, self.v_cta), stride=(self.v_cta, 1)), 16)
-        sS = smem.allocate_tensor(f32, cute.make_layout((MAX_T, 2), stride=(2, 1)), 16)  # beta, q.k
-
-        kpl = self.kpl
-        kk = lane * kpl
-        a_exp = f32(1.0)
-        if cutlass.const_expr(self.use_gate and self.has_a_log):
-            a_exp = cute.math.exp(a_log)
-        # the warp reductions below wait on the loads, all issued before
-        for j in cutlass.range_constexpr(self.slots):
+        for j in cutlass.range_constexpr(nt):
             t = warp + j * self.warps
             if t < T:
                 qq = f32(0.0)

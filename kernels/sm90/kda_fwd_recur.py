@@ -125,6 +125,12 @@ PDL_TRIGGER = __import__("os").environ.get("CULA_KDA_PDL_TRIGGER", "start")
 SMEM_PER_BLOCK = 232448  # H100/H200: the most dynamic shared memory one CTA may have (227 KB)
 
 
+def _item_tile(item, n_vt: int, n_hv):
+    """(sequence * HV + head, first V index) of v2's work item ``item`` (V tile fastest, then head): where
+    its state tile starts in the [N, HV, ., .] states."""
+    return (item // (n_vt * n_hv)) * n_hv + (item // n_vt) % n_hv, (item % n_vt) * BV
+
+
 class KdaFwdRecur:
     """Compile-time configuration of the recurrence kernel."""
 
@@ -822,8 +828,7 @@ class KdaFwdRecur:
         """This thread's m-th 16-byte piece of item ``item``'s state tile: (buffer offset, element offset
         in the [N, HV, ., .] state). Consecutive threads take consecutive pieces of a row (256 B K-first,
         512 B V-first), so a warp's accesses are whole rows on both sides."""
-        head = (item // (n_vt * n_hv)) * n_hv + (item // n_vt) % n_hv
-        v0 = (item % n_vt) * BV
+        head, v0 = _item_tile(item, n_vt, n_hv)
         c = tidx + V2_MATH_THREADS * m
         if cutlass.const_expr(self.v_first):
             r, p = c // (DK // 4), c % (DK // 4)
@@ -886,8 +891,7 @@ class KdaFwdRecur:
         """Ask L2 for item ``nxt``'s state tile (this CTA's next item): its V tile of the head's
         [128, 128] fp32 state, 256 lines of 128 bytes, 2 per thread. K-first: row k = tidx, its 256
         bytes of the tile's 64 values; V-first: 32 KB in one piece."""
-        head = (nxt // (n_vt * n_hv)) * n_hv + (nxt // n_vt) % n_hv
-        v0 = (nxt % n_vt) * BV
+        head, v0 = _item_tile(nxt, n_vt, n_hv)
         per_line = LINE_BYTES // 4
         if cutlass.const_expr(self.v_first):  # rows v0 .. v0+63 are one contiguous 32 KB piece
             first = head * (DK * DV) + v0 * DK + tidx * (2 * per_line)
