@@ -161,3 +161,58 @@ def test_lightning_bad_decay():
     q, k, v = (x.reshape(1, 48, *x.shape[2:]) for x in (inputs["q"], inputs["k"], inputs["v"]))
     with pytest.raises(ValueError, match="decay"):
         lightning_attn_fwd(q, k, v, torch.ones(3, dtype=torch.float64), cp_context=ctx, local_fn=LOCAL_FNS["lightning"])
+
+
+def _fake_identity_kernel():
+    """The SM90 kernel module's interface backed by its torch emulation (fp64): kda_fwd with the
+    identity response, and supports() accepting everything."""
+    import functools
+    import types
+
+    from cula.kernels.sm90 import kda_fwd as kernel
+
+    @functools.wraps(kernel.kda_fwd)
+    def kda_fwd(q, k, v, g, beta, *, identity_response=False, **kw):
+        assert identity_response
+        o, ht, _, o_id, m = kernel.emulate_stages(q, k, v, g, beta, **kw, identity_response=True)
+        return o, ht, o_id, m
+
+    return types.SimpleNamespace(kda_fwd=kda_fwd, supports=lambda *a, **kw: None)
+
+
+@pytest.mark.parametrize("case", [c for c in DIST_CASES if c.variant == "kda"] + [EXTRA_CASES[1]],
+                         ids=lambda c: c.name)
+def test_kda_identity_response_from_the_kernel(case, monkeypatch):
+    """identity_columns='kernel': the carried-in segment's o_I and M come from the kernel's second stage-2
+    pass (here its emulation) instead of extra value columns; the result is the unsplit one."""
+    monkeypatch.setattr(cp_kda, "_identity_kernel", _fake_identity_kernel)
+    inputs = make_inputs(case)
+    o_ref, s_ref = oracle(case, inputs)
+    o, s = _emulate(case, inputs, 4 if case.offsets else 3, identity_columns="kernel")
+    assert rel_err(o, o_ref) < TOL
+    assert rel_err(s, s_ref) < TOL
+
+
+def test_kda_identity_response_is_affine_in_the_initial_state():
+    """The emulated kernel's o_I and M: o(S0) = o(0) + o_I S0 and S_end(S0) = S_end(0) + M S0 per sequence."""
+    from cula.kernels.sm90.kda_fwd import emulate_stages
+
+    case = Case("kda-affine", "kda", seqlens=(70, 0, 5), HV=2, K=8, V=4, with_state=True, seed=21)
+    inputs = make_inputs(case)
+    s0 = inputs.pop("initial_state")
+    o0, e0, _, o_id, m = emulate_stages(**inputs, output_final_state=True, identity_response=True)
+    o1, e1, _ = emulate_stages(**inputs, initial_state=s0, output_final_state=True)
+    cu = inputs["cu_seqlens"].tolist()
+    for n in range(len(cu) - 1):
+        t = slice(cu[n], cu[n + 1])
+        if cu[n + 1] > cu[n]:
+            assert rel_err(o0[0, t] + torch.einsum("thk,hkv->thv", o_id[0, t], s0[n]), o1[0, t]) < TOL
+        assert rel_err(e0[n] + m[n] @ s0[n], e1[n]) < TOL
+    assert torch.equal(m[1], torch.eye(8, dtype=m.dtype).expand(2, 8, 8))  # zero-length: the identity
+
+
+def test_kda_identity_columns_kernel_needs_the_kernel():
+    case = DIST_CASES[0] if DIST_CASES[0].variant == "kda" else next(c for c in DIST_CASES if c.variant == "kda")
+    inputs = make_inputs(case)
+    with pytest.raises(ValueError, match="identity_columns"):
+        _emulate(case, inputs, 2, identity_columns="kernel")  # CPU tensors: the kernel cannot run them

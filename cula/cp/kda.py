@@ -12,9 +12,10 @@ and the extra state columns started from the identity returns, besides the usual
 (FLA's CP computes the same ``[h_local | M]`` pair with a dedicated kernel; here it comes from the local
 op itself, so CP works with any backend.) Per rank:
 
-1. local pass: the boundary segments (the first if it carries a state in, the last if it carries one
-   out) run with the ``V + K`` augmented columns, the segments in between run as usual with their true
-   initial states;
+1. local pass: the first segment, if it carries a state in, also gets its identity response (the ``V + K``
+   augmented columns, or the kernel's own second stage-2 pass); the other segments run as usual with their
+   true initial states (a last segment that only carries a state out starts its chain, so its plain end
+   state is its summary);
 2. scan: the last segment's ``(M, b)`` goes through :func:`cula.cp.scan.exclusive_scan`;
 3. correction: ``o += o_I @ S0`` on the first segment, its end state ``b + M S0``.
 
@@ -25,6 +26,8 @@ the all-gather scan, ``pre_num_ranks`` products ``[K, K] x [K, V]`` per head.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -57,9 +60,11 @@ class _PieceResult:
 
 
 def _plan(ctx: CPContext) -> list[_Piece]:
-    """Boundary segments alone, the segments between them in one piece."""
+    """A first segment that carries a state in runs alone (it needs the identity response); the rest in one
+    piece. A last segment that only carries a state out needs no transition: it starts its chain, so the
+    scan applies its ``b`` (which includes any user initial state) to a zero start."""
     n = ctx.num_seqs
-    boundary = {i for i, flag in ((0, ctx.carries_in), (n - 1, ctx.carries_out)) if flag}
+    boundary = {0} if ctx.carries_in else set()
     pieces: list[_Piece] = []
     lo = 0
     for i in range(n):
@@ -95,7 +100,44 @@ class _LocalCall:
         return o, _k_first(final, self.state_v_first)
 
 
-IDENTITY_COLUMNS = ("appended", "separate")
+IDENTITY_COLUMNS = ("auto", "kernel", "appended", "separate")
+
+
+def _identity_kernel():
+    """The SM90 KDA forward, which returns the identity response beside the forward (None if unavailable)."""
+    try:
+        from cula.kernels.sm90 import kda_fwd
+    except ImportError:
+        return None
+    return kda_fwd
+
+
+def _kernel_arguments(kernel, options: dict) -> dict:
+    names = inspect.signature(kernel.kda_fwd).parameters
+    return {n: val for n, val in options.items() if n in names}
+
+
+def _resolve_identity_columns(call: _LocalCall, tokens: dict, default_fn: bool, grad: bool) -> _LocalCall:
+    """``auto``: the kernel's identity response when the SM90 kernel runs these inputs (default local op, no
+    autograd), else ``appended``. ``kernel`` asked for explicitly must be runnable (with a ``local_fn`` it
+    replaces only the carried-in segment's call)."""
+    if call.identity_columns not in ("auto", "kernel"):
+        return call
+    kernel = _identity_kernel()
+    if kernel is None:
+        reason = "cula.kernels.sm90.kda_fwd is not importable"
+    elif grad:
+        reason = "inputs require grad (the kernel is forward only)"
+    elif not default_fn and call.identity_columns == "auto":
+        reason = "a local_fn was given (the kernel would replace it on the carried-in segment)"
+    else:
+        reason = kernel.supports(**tokens, scale=call.scale, output_final_state=True,
+                                 state_v_first=False, **call.options)
+    if reason is None:
+        return dataclasses.replace(call, identity_columns="kernel")
+    if call.identity_columns == "kernel":
+        raise ValueError(f"identity_columns: 'kernel' needs the SM90 kernel to run these inputs, but {reason}")
+    return dataclasses.replace(call, identity_columns="appended")
 
 
 def _run_piece(piece: _Piece, tokens: dict, init_rows, ctx: CPContext, call: _LocalCall,
@@ -118,6 +160,13 @@ def _run_piece(piece: _Piece, tokens: dict, init_rows, ctx: CPContext, call: _Lo
     state_dtype = torch.float32 if init is None else init.dtype
     h_start = torch.zeros(1, HV, K, V, device=v.device, dtype=state_dtype) if init is None else init
     eye = torch.eye(K, device=v.device, dtype=state_dtype).expand(1, HV, K, K)
+    if call.identity_columns == "kernel":
+        kernel = _identity_kernel()
+        # A boundary piece carries its state in, so its own initial state is zero: pass none.
+        o, final, o_identity, transition = kernel.kda_fwd(
+            **sliced, scale=call.scale, initial_state=None, output_final_state=True, state_v_first=False,
+            cu_seqlens=cu_piece, identity_response=True, **_kernel_arguments(kernel, call.options))
+        return _PieceResult(o=o, final=final, o_identity=o_identity, transition=transition[0])
     zeros_k = v.new_zeros(*v.shape[:3], K)
     if call.identity_columns == "separate":
         o, final = call(sliced, h_start, True, cu_piece)
@@ -140,7 +189,10 @@ def _local_pass(tokens: dict, initial_state, output_final_state, ctx: CPContext,
     sdt = scan_dtype(results[-1].final.dtype if results[-1].final is not None else torch.float32)
     if ctx.carries_out:
         last = results[-1]
-        m, b = last.transition.to(sdt), last.final[-1].to(sdt)
+        b = last.final[-1].to(sdt)
+        # The transition matters only where the carried-in state passes through (one segment, both ways).
+        m = last.transition.to(sdt) if last.transition is not None else torch.zeros(HV, K, K, device=v.device,
+                                                                                      dtype=sdt)
     else:
         m = torch.zeros(HV, K, K, device=v.device, dtype=sdt)
         b = torch.zeros(HV, K, V, device=v.device, dtype=sdt)
@@ -151,7 +203,7 @@ def _finish(results: list[_PieceResult], h0, anchor, output_final_state, state_v
     """Step 3: add the carried-in state's contribution to the first segment, then concatenate the pieces."""
     if h0 is not None:
         first = results[0]
-        carried = torch.einsum("bthk,hkv->bthv", first.o_identity.to(h0.dtype), h0)
+        carried = _carried(first.o_identity, h0)
         o = (first.o.to(h0.dtype) + carried).to(first.o.dtype)
         final = first.final
         if final is not None:
@@ -165,6 +217,26 @@ def _finish(results: list[_PieceResult], h0, anchor, output_final_state, state_v
         return o, None
     final = torch.cat([r.final for r in results])
     return o, _k_first(final, state_v_first)
+
+
+def _carried(o_identity: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+    """``o_I @ h0`` per head, ``[1, L, HV, V]`` in h0's dtype.
+
+    On CUDA with a half-precision ``o_I`` (forward only) this is two tensor-core products with fp32 outputs,
+    ``h0`` split as ``hi + lo`` in ``o_I``'s dtype, which keeps h0 to ~16 bits; the fp32 product costs as
+    much as the local forward at long T."""
+    fast = (o_identity.is_cuda and o_identity.dtype in (torch.bfloat16, torch.float16)
+            and not inputs_require_grad(o_identity, h0))
+    if fast:
+        a = o_identity[0].transpose(0, 1)  # [HV, L, K]
+        hi = h0.to(a.dtype)
+        lo = (h0 - hi.to(h0.dtype)).to(a.dtype)
+        try:
+            c = torch.bmm(a, hi, out_dtype=torch.float32) + torch.bmm(a, lo, out_dtype=torch.float32)
+            return c.transpose(0, 1)[None].to(h0.dtype)
+        except (TypeError, RuntimeError):  # a torch without bmm(out_dtype=): the exact product below
+            pass
+    return torch.einsum("bthk,hkv->bthv", o_identity.to(h0.dtype), h0)
 
 
 def _split_options(kwargs: dict) -> dict:
@@ -197,7 +269,7 @@ def chunk_kda(
     *,
     cp_context: Any,
     local_fn: _local.LocalFn | None = None,
-    identity_columns: str = "appended",
+    identity_columns: str = "auto",
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA forward over a sequence split across the ranks of ``cp_context.group`` (a collective).
@@ -215,9 +287,12 @@ def chunk_kda(
         cp_context: from :func:`cula.cp.build_cp_context` (an FLA ``FLACPContext`` is accepted too).
         local_fn: the single-device forward run locally (default: the public op ``cula.kda.chunk_kda``).
             It is called with ``V + K`` value columns on the boundary segments.
-        identity_columns: ``"appended"`` (one local call with ``V + K`` value columns per boundary segment)
-            or ``"separate"`` (two calls, with ``V`` and with ``K`` columns: for a local op that only takes
-            the usual head sizes; it repeats the intra-chunk work).
+        identity_columns: how a segment that carries a state in gets its identity response ``o_I`` and
+            transition ``M``. ``"kernel"``: the SM90 kernel returns them with the forward (stage 1 shared, the
+            two stage-2 passes overlapped on two streams); ``"appended"``: one local call with ``V + K`` value
+            columns; ``"separate"``: two calls, with ``V`` and with ``K`` columns (for a local op that only takes
+            the usual head sizes; it repeats the intra-chunk work). ``"auto"`` (default): ``"kernel"`` when the
+            kernel runs these inputs with the default local op and no autograd, else ``"appended"``.
     Returns:
         ``o: [1, T_local, HV, V]`` and, with ``output_final_state``, ``[N_local, HV, K, V]`` (or V-first):
         the true state at the end of each local segment (``cula.cp.gather_final_state`` makes ``[N, ...]``).
@@ -233,9 +308,10 @@ def chunk_kda(
                        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
     options = call.options
     tokens = dict(q=q, k=k, v=v, g=g, beta=beta)
+    grad_inputs = (*tokens.values(), initial_state, options.get("A_log"), options.get("dt_bias"))
+    call = _resolve_identity_columns(call, tokens, local_fn is None, inputs_require_grad(*grad_inputs))
 
     results, m, b = _local_pass(tokens, initial_state, output_final_state, ctx, call)
-    grad_inputs = (*tokens.values(), initial_state, options.get("A_log"), options.get("dt_bias"))
     h0, anchor = exclusive_scan(m, b, ctx, requires_grad=inputs_require_grad(*grad_inputs))
     return _finish(results, h0, anchor, output_final_state, state_v_first)
 
@@ -287,7 +363,7 @@ def emulate_chunk_kda(
     world_size: int,
     offsets: Sequence[int] | None = None,
     local_fn: _local.LocalFn | None = None,
-    identity_columns: str = "appended",
+    identity_columns: str = "auto",
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Single-process emulation of :func:`chunk_kda` on ``world_size`` ranks (no torch.distributed).
@@ -299,6 +375,8 @@ def emulate_chunk_kda(
     batch, length = q.shape[0], q.shape[1]
     packed = cu_seqlens is None
     tokens = dict(q=q, k=k, v=v, g=g, beta=beta)
+    grad = inputs_require_grad(*tokens.values(), initial_state, call.options.get("A_log"), call.options.get("dt_bias"))
+    call = _resolve_identity_columns(call, tokens, local_fn is None, grad)
     if packed:
         tokens = {name: _local.pack_batch(x) for name, x in tokens.items()}
         cu_seqlens = _local.uniform_cu_seqlens(batch, length, q.device)

@@ -147,7 +147,7 @@ def _token_names(variant: str) -> tuple[str, ...]:
 
 
 def _run_cp(variant: str, impl: str, local: dict, ctx, output_final_state: bool, fla_ctx=None,
-            identity_columns: str = "appended"):
+            identity_columns: str = "auto"):
     """One CP forward on this rank's piece."""
     from cula.cp import chunk_kda, lightning_attn_fwd
 
@@ -155,10 +155,11 @@ def _run_cp(variant: str, impl: str, local: dict, ctx, output_final_state: bool,
         from fla.ops.kda import chunk_kda as fla_chunk_kda
 
         return fla_chunk_kda(**local, cp_context=fla_ctx)
+    # impl cula: the default local op, so that KDA can take the kernel's identity response
+    local_fn = None if impl == "cula" else local_op(variant, impl)
     if variant == "lightning":
-        return lightning_attn_fwd(**local, output_final_state=output_final_state, cp_context=ctx,
-                                  local_fn=local_op(variant, impl))
-    return chunk_kda(**local, output_final_state=output_final_state, cp_context=ctx, local_fn=local_op(variant, impl),
+        return lightning_attn_fwd(**local, output_final_state=output_final_state, cp_context=ctx, local_fn=local_fn)
+    return chunk_kda(**local, output_final_state=output_final_state, cp_context=ctx, local_fn=local_fn,
                      identity_columns=identity_columns)
 
 
@@ -240,18 +241,24 @@ def _scaling(args, variant: str, rank: int, world_size: int, device) -> list[dic
                                      identity_columns=args.identity_columns)
             with torch.no_grad():
                 times = _time(fn, device, args.warmup, args.reps)
+                local_times = []
+                if world_size > 1:  # every rank's plain forward on its piece, no CP: the compute floor
+                    op = local_op(variant, "fla" if args.impl == "fla-native" else args.impl)
+                    cu_local = torch.tensor([0, local_T], device=device, dtype=torch.int32)
+                    local_times = sorted(_time(lambda: op(**local, cu_seqlens=cu_local), device, 1, args.reps))
         except torch.cuda.OutOfMemoryError as exc:  # a size that does not fit is a result, not a crash
-            times, note = [], f"out of memory: {str(exc).splitlines()[0]}"
-        del local
+            times, local_times, note = [], [], f"out of memory: {str(exc).splitlines()[0]}"
+        local = None  # free the piece before the next size
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if rank == 0:
             times.sort()
             med = times[len(times) // 2] if times else float("nan")
+            local_ms = local_times[len(local_times) // 2] if local_times else float("nan")
             rows.append(dict(kind="scaling", variant=variant, world_size=world_size, T=T, times_ms=times,
-                             ms=med, us_per_token=med * 1e3 / T, note=note))
+                             ms=med, us_per_token=med * 1e3 / T, local_ms=local_ms, note=note))
             print(f"[scale] {variant:9s} W={world_size} T={T:>8d}: {med:9.3f} ms  "
-                  f"{med * 1e6 / T:8.3f} ns/token {note}", flush=True)
+                  f"{med * 1e6 / T:8.3f} ns/token  (local forward alone {local_ms:.3f} ms) {note}", flush=True)
     return rows
 
 
@@ -365,7 +372,8 @@ def store_rows(rows: list[dict], args, started: str) -> str | None:
     for i, r in enumerate(rows):
         flags = dict(world_size=r["world_size"], scan=args.scan, identity_columns=args.identity_columns)
         if r["kind"] == "scaling":
-            flags.update(speedup=r.get("speedup"), efficiency=r.get("efficiency"), us_per_token=r["us_per_token"])
+            flags.update(speedup=r.get("speedup"), efficiency=r.get("efficiency"), us_per_token=r["us_per_token"],
+                         local_forward_ms=r.get("local_ms"))
             config_id = f"cp/{r['variant']}/T{r['T']}/W{r['world_size']}"
             times = r["times_ms"]
             row = Row(suite="cp_scaling", status=OK if times else UNAVAILABLE, note=r["note"],
@@ -405,8 +413,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", type=lambda s: s.split(","), default=["lightning", "kda"])
     p.add_argument("--impl", default="cula", choices=["cula", "fla", "fla-native", "ref"])
     p.add_argument("--scan", default="allgather", choices=["allgather", "ring"])
-    p.add_argument("--identity-columns", default="appended", choices=["appended", "separate"],
-                   help="KDA: transition from K extra value columns in the same local call, or a second call")
+    p.add_argument("--identity-columns", default="auto", choices=["auto", "kernel", "appended", "separate"],
+                   help="KDA: the identity response from the kernel's second stage-2 pass, from K extra value "
+                        "columns in the same local call, or from a second call (auto: kernel where it runs)")
     p.add_argument("--check-T", type=int, default=16384)
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--scaling-T", type=ints, default=[131072, 262144, 524288, 1048576])

@@ -279,9 +279,11 @@ def _gate_and_norm(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A
 def emulate_stages(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                    use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
-                   lower_bound=None, state_v_first=False, cu_seqlens=None, *, dtype=torch.float64):
+                   lower_bound=None, state_v_first=False, cu_seqlens=None, *, dtype=torch.float64,
+                   identity_response=False):
     """Returns ``(o, final_state, scratch)``; ``scratch`` holds w, u, qg, aqk, kgt, gam as the kernels
-    write them (``[HV, NC*64, ...]``), in ``dtype``."""
+    write them (``[HV, NC*64, ...]``), in ``dtype``. With ``identity_response`` also ``o_I`` and ``M`` as
+    :func:`kda_fwd` computes them (stage 2 again with ``u = 0`` from ``S0 = I``)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scale = K ** -0.5 if scale is None else scale
@@ -329,7 +331,13 @@ def emulate_stages(q, k, v, g, beta, scale=None, initial_state=None, output_fina
                    gam=gam.permute(1, 0, 2))
     o, ht = emulate_recurrence(scratch, chunks, seqs, B * T, initial_state, output_final_state,
                                state_v_first, dtype)
-    return o.reshape(B, T, HV, V), ht, scratch
+    if not identity_response:
+        return o.reshape(B, T, HV, V), ht, scratch
+    eye = torch.eye(K, dtype=dtype, device=dev).expand(seqs.shape[0], HV, K, K)
+    u_zero = scratch["u"].new_zeros(*scratch["u"].shape[:2], K)
+    o_id, m_id = emulate_recurrence(scratch | dict(u=u_zero), chunks, seqs, B * T, eye,
+                                    True, False, dtype)
+    return o.reshape(B, T, HV, V), ht, scratch, o_id.reshape(B, T, HV, K), m_id
 
 
 def emulate_recurrence(scratch, chunks, seqs, total_tokens, initial_state, output_final_state,
@@ -456,6 +464,7 @@ def kda_fwd(
     *,
     return_scratch: bool = False,
     stages: tuple[str, ...] = ("intra", "recur"),
+    identity_response: bool = False,
 ):
     """KDA forward on the two SM90 kernels.
 
@@ -467,6 +476,12 @@ def kda_fwd(
     Returns: ``o [B, T, HV, 128]`` (v's dtype) and the fp32 final state (or None); with
     ``return_scratch`` also the stage-1 scratch dict. ``stages`` (profiling only) names the kernels
     to launch; leaving one out gives wrong outputs but times the other alone.
+
+    ``identity_response`` (context parallel): also return each sequence's response to its initial state,
+    ``o_I [B, T, HV, K]`` (v's dtype; ``o_I[t] @ S0`` is S0's contribution to ``o_t``) and its transition
+    ``M [N, HV, K, K]`` fp32 K-first (``S_end = M S0 + S_end(0)``), as ``(o, ht, o_I, M)``. They come from
+    a second stage-2 launch on the same stage-1 scratch with ``u = 0`` and ``S0 = I`` (value columns
+    evolve independently), run on a side stream so the two sequential passes overlap.
     """
     from cula.kernels.common.fast_launch import current_stream_handle
     from cula.kernels.sm90 import kda_fwd_intra as intra
@@ -491,6 +506,9 @@ def kda_fwd(
             ht = h0.clone() if h0 is not None else torch.zeros(N, HV, K, V, device=dev)
             ht = ht if N > 0 else None
         out = o.reshape(B, T, HV, V)
+        if identity_response:  # the identity passes through too
+            eye = torch.eye(K, dtype=torch.float32, device=dev).expand(N, HV, K, K).contiguous()
+            return out, ht, o.new_zeros(B, T, HV, K), eye
         return (out, ht) if not return_scratch else (out, ht, {})
     if cu_seqlens is None:
         chunks, seqs, NC = fixed_length_tables(B, T, dev)
@@ -547,25 +565,57 @@ def kda_fwd(
         _launcher("intra", (tuple(sorted(flags.items())), dts), lambda: intra.KdaFwdIntra(**flags),
                   _intra_specs(*dts))(*intra_values)
 
-    rflags = dict(has_initial_state=h0 is not None, output_final_state=bool(output_final_state),
-                  state_v_first=bool(state_v_first))
     o_dt = _cute_dtype(v.dtype)
-    if "recur" in stages:
-        variant, pf = recur.RECUR_VARIANT, recur.V2_H0_PREFETCH
-        pdl = recur.PDL and NC * HV <= recur.PDL_MAX_STAGE1_CTAS
-        ssm = variant == "v2" and recur.use_state_smem(N, NC, h0 is not None or bool(output_final_state))
+    variant, pf = recur.RECUR_VARIANT, recur.V2_H0_PREFETCH
+
+    def launch_recur(u_in, h_in, o_out, h_out, v_first: bool, pdl: bool, stream_handle: int) -> None:
+        rflags = dict(has_initial_state=h_in is not None, output_final_state=h_out is not None,
+                      state_v_first=v_first)
+        ssm = variant == "v2" and recur.use_state_smem(N, NC, h_in is not None or h_out is not None)
         o_in_u = ssm and recur.O_IN_U
         _launcher("recur", (tuple(sorted(rflags.items())), o_dt, variant, pf, pdl, ssm, o_in_u),
                   lambda: recur.KdaFwdRecur(**rflags, variant=variant, h0_prefetch=pf, pdl=pdl, state_smem=ssm,
                                             o_in_u=o_in_u),
                   _recur_specs(o_dt))(
-            w.data_ptr(), qg.data_ptr(), aqk.data_ptr(), kgt.data_ptr(), u.data_ptr(), gam.data_ptr(),
-            chunks.data_ptr(), seqs.data_ptr(), o.data_ptr(), (h0 if h0 is not None else dummy).data_ptr(),
-            (ht if ht is not None else dummy).data_ptr(), TT, HV, NC, N, sm_count(dev), stream)
+            w.data_ptr(), qg.data_ptr(), aqk.data_ptr(), kgt.data_ptr(), u_in.data_ptr(), gam.data_ptr(),
+            chunks.data_ptr(), seqs.data_ptr(), o_out.data_ptr(), (h_in if h_in is not None else dummy).data_ptr(),
+            (h_out if h_out is not None else dummy).data_ptr(), TT, HV, NC, N, sm_count(dev), stream_handle)
+
+    identity = None
+    if identity_response and "recur" in stages:
+        # Own buffers, allocated before the fork: the side stream only reads what stage 1 wrote.
+        o_id = torch.empty(TT, HV, K, dtype=v.dtype, device=dev)
+        m_id = torch.empty(N, HV, K, K, dtype=torch.float32, device=dev)
+        eye = torch.eye(K, dtype=torch.float32, device=dev).expand(N, HV, K, K).contiguous()
+        u_zero = torch.empty_like(u)
+        main, side = torch.cuda.current_stream(dev), _side_stream(dev)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            u_zero.zero_()
+            launch_recur(u_zero, eye, o_id, m_id, False, False, side.cuda_stream)
+        identity = (o_id, m_id, side)
+    if "recur" in stages:
+        launch_recur(u, h0, o, ht, bool(state_v_first), recur.PDL and NC * HV <= recur.PDL_MAX_STAGE1_CTAS, stream)
     out = o.reshape(B, T, HV, V)
+    if identity is not None:
+        o_id, m_id, side = identity
+        # Join before the scratch dies: its memory may be reused by the next kernels of this stream.
+        torch.cuda.current_stream(dev).wait_stream(side)
+        return out, ht, o_id.reshape(B, T, HV, K), m_id
     if return_scratch:
         return out, ht, dict(w=w, u=u, qg=qg, aqk=aqk, kgt=kgt, gam=gam)
     return out, ht
+
+
+_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(dev: torch.device) -> "torch.cuda.Stream":
+    """One reusable side stream per device (creating a stream per call costs host time)."""
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 def intra_kind(use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_bound: float | None) -> str:
