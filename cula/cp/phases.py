@@ -1,0 +1,99 @@
+"""Per-phase GPU time of one rank's context-parallel work, on one GPU and without a process group.
+
+    python -m cula.cp.phases --T 65536 --H 16          # a rank's piece of T tokens (one sequence)
+
+What a middle or last rank does besides the plain local forward, each phase timed alone with CUDA events
+(median of ``--reps``, after warm-up): Lightning's closed-form summary and its forward from an initial
+state; KDA's forward with the kernel's identity response (the second stage-2 pass on a side stream), each
+stage alone, and the correction ``o += o_I h0``. The multi-GPU script times the whole; this says where the
+difference between CP and the plain local forward goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+import torch
+
+
+def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def lightning_phases(T: int, H: int, D: int, reps: int) -> dict[str, float]:
+    from cula.cp.context import emulated_contexts
+    from cula.cp.lightning import _summary
+    from cula.cp.multigpu import make_inputs
+    from cula.lightning import lightning_attn_fwd
+
+    dev = torch.device("cuda")
+    x = make_inputs("lightning", T, H, D, D, torch.bfloat16, dev, seed=0)
+    cu = torch.tensor([0, T], device=dev, dtype=torch.int32)
+    # a middle rank of three: its one segment carries a state in and out
+    ctx = emulated_contexts(torch.tensor([0, 3 * T]), 3)[1]
+    h0 = torch.randn(H, D, D, device=dev) * 0.01
+    return {
+        "forward": _median_ms(lambda: lightning_attn_fwd(**x, cu_seqlens=cu), reps),
+        "forward, final state": _median_ms(lambda: lightning_attn_fwd(**x, cu_seqlens=cu, output_final_state=True),
+                                           reps),
+        "forward from h0": _median_ms(lambda: lightning_attn_fwd(**x, cu_seqlens=cu, initial_state=h0[None]), reps),
+        "summary (M, b)": _median_ms(lambda: _summary(x["k"], x["v"], x["decay"], None, ctx), reps),
+    }
+
+
+def kda_phases(T: int, H: int, D: int, reps: int) -> dict[str, float]:
+    from cula.cp.kda import _carried
+    from cula.cp.multigpu import make_inputs
+    from cula.kernels.sm90.kda_fwd import kda_fwd
+
+    dev = torch.device("cuda")
+    x = make_inputs("kda", T, H, D, D, torch.bfloat16, dev, seed=0)
+    cu = torch.tensor([0, T], device=dev, dtype=torch.int32)
+    h0 = torch.randn(H, D, D, device=dev) * 0.01
+    o, _, o_id, _ = kda_fwd(**x, cu_seqlens=cu, output_final_state=True, identity_response=True)
+
+    def correct():
+        return (o[0].float() + _carried(o_id, h0)[0]).to(o.dtype)
+
+    return {
+        "forward": _median_ms(lambda: kda_fwd(**x, cu_seqlens=cu), reps),
+        "forward, final state": _median_ms(lambda: kda_fwd(**x, cu_seqlens=cu, output_final_state=True), reps),
+        "forward + identity response": _median_ms(
+            lambda: kda_fwd(**x, cu_seqlens=cu, output_final_state=True, identity_response=True), reps),
+        "stage 1 alone": _median_ms(lambda: kda_fwd(**x, cu_seqlens=cu, stages=("intra",)), reps),
+        "stage 2 alone": _median_ms(lambda: kda_fwd(**x, cu_seqlens=cu, output_final_state=True,
+                                                    stages=("recur",)), reps),
+        "correction o + o_I h0": _median_ms(correct, reps),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--T", type=lambda s: [int(v) for v in s.split(",")], default=[65536])
+    p.add_argument("--H", type=int, default=16)
+    p.add_argument("--D", type=int, default=128)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--variants", type=lambda s: s.split(","), default=["lightning", "kda"])
+    args = p.parse_args(argv)
+    for T in args.T:
+        for variant in args.variants:
+            phases = (lightning_phases if variant == "lightning" else kda_phases)(T, args.H, args.D, args.reps)
+            for name, ms in phases.items():
+                print(f"[phase] {variant:9s} T={T:>8d} H={args.H}: {name:30s} {ms:8.3f} ms", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
