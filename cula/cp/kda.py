@@ -203,14 +203,13 @@ def _finish(results: list[_PieceResult], h0, anchor, output_final_state, state_v
     """Step 3: add the carried-in state's contribution to the first segment, then concatenate the pieces."""
     if h0 is not None:
         first = results[0]
-        carried = _carried(first.o_identity, h0)
-        o = (first.o.to(h0.dtype) + carried).to(first.o.dtype)
+        o = _add_carried(first.o, first.o_identity, h0)
         final = first.final
         if final is not None:
             end = first.final[0].to(h0.dtype) + torch.matmul(first.transition.to(h0.dtype), h0)
             final = torch.cat([end[None].to(first.final.dtype), first.final[1:]])
         results = [_PieceResult(o, final)] + results[1:]
-    o = torch.cat([r.o for r in results], dim=1)
+    o = results[0].o if len(results) == 1 else torch.cat([r.o for r in results], dim=1)
     if anchor is not None:
         o = o + anchor.to(o.dtype)
     if not output_final_state:
@@ -219,24 +218,18 @@ def _finish(results: list[_PieceResult], h0, anchor, output_final_state, state_v
     return o, _k_first(final, state_v_first)
 
 
-def _carried(o_identity: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
-    """``o_I @ h0`` per head, ``[1, L, HV, V]`` in h0's dtype.
+def _add_carried(o: torch.Tensor, o_identity: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+    """``o + o_I @ h0`` per head for the first segment (``o [1, L, HV, V]``, ``o_I [1, L, HV, K]``), in o's dtype.
 
-    On CUDA with a half-precision ``o_I`` (forward only) this is two tensor-core products with fp32 outputs,
-    ``h0`` split as ``hi + lo`` in ``o_I``'s dtype, which keeps h0 to ~16 bits; the fp32 product costs as
-    much as the local forward at long T."""
-    fast = (o_identity.is_cuda and o_identity.dtype in (torch.bfloat16, torch.float16)
-            and not inputs_require_grad(o_identity, h0))
+    On CUDA with half-precision outputs (forward only) it is one tensor-core product accumulated into ``o``
+    in place (cuBLAS adds ``o`` in fp32 and rounds once); ``h0`` is rounded to o's dtype for it, as the
+    kernel rounds its state for its own ``q S`` products. Elsewhere: the exact product in h0's dtype."""
+    fast = (o.is_cuda and o.dtype in (torch.bfloat16, torch.float16) and o_identity.dtype == o.dtype
+            and not inputs_require_grad(o, o_identity, h0))
     if fast:
-        a = o_identity[0].transpose(0, 1)  # [HV, L, K]
-        hi = h0.to(a.dtype)
-        lo = (h0 - hi.to(h0.dtype)).to(a.dtype)
-        try:
-            c = torch.bmm(a, hi, out_dtype=torch.float32) + torch.bmm(a, lo, out_dtype=torch.float32)
-            return c.transpose(0, 1)[None].to(h0.dtype)
-        except (TypeError, RuntimeError):  # a torch without bmm(out_dtype=): the exact product below
-            pass
-    return torch.einsum("bthk,hkv->bthv", o_identity.to(h0.dtype), h0)
+        o[0].transpose(0, 1).baddbmm_(o_identity[0].transpose(0, 1), h0.to(o.dtype))
+        return o
+    return (o.to(h0.dtype) + torch.einsum("bthk,hkv->bthv", o_identity.to(h0.dtype), h0)).to(o.dtype)
 
 
 def _split_options(kwargs: dict) -> dict:

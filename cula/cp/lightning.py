@@ -39,7 +39,10 @@ def _summary(k, v, decay, initial_state, ctx: CPContext) -> tuple[torch.Tensor, 
     # weight of token t in the end state: exp(-decay * (L - 1 - t)), [L, HV]
     age = torch.arange(length - 1, -1, -1, device=v.device, dtype=sdt)
     weight = torch.exp(-dec[None, :] * age[:, None])
-    k_w = (k[0, start:end].repeat_interleave(group, dim=1).to(sdt) * weight[..., None]).to(k.dtype)
+    k_seg = k[0, start:end] if group == 1 else k[0, start:end].repeat_interleave(group, dim=1)
+    # Half inputs: the weights are rounded to k's dtype and applied in one pass (as the kernel rounds its
+    # decayed k); fp32/fp64 inputs stay exact.
+    k_w = k_seg * weight.to(k.dtype)[..., None]
     b = _bmm_wide(k_w.permute(1, 2, 0), v[0, start:end].transpose(0, 1), sdt)  # [HV, K, V]
     m = torch.exp(-dec * length)
     starts_here = not (ctx.carries_in and ctx.num_seqs == 1)

@@ -96,9 +96,14 @@ def make_inputs(variant: str, T: int, H: int, K: int, V: int, dtype: torch.dtype
         # Decays as Lightning's layers use (slow heads carry state far across rank boundaries).
         out["decay"] = torch.logspace(-4, -1, H, device=device, dtype=torch.float32)
     else:
-        out["k"] = torch.nn.functional.normalize(randn(1, T, H, K, dt=torch.float32), dim=-1).to(dtype)
-        out["g"] = (-0.05 * torch.rand(1, T, H, K, generator=gen, device=device)).to(dtype)
+        # A KDA layer's call (Kimi Linear): raw gate with A_log / dt_bias and q/k l2norm in the kernel, the
+        # inputs cula's tensor-core stage 1 takes (a log-space g goes to FLA, see kda_fwd.simt_reason).
+        out["k"] = randn(1, T, H, K)
+        out["g"] = randn(1, T, H, K)
         out["beta"] = torch.rand(1, T, H, generator=gen, device=device).to(dtype)
+        out["A_log"] = -2.0 + 0.5 * torch.randn(H, generator=gen, device=device)
+        out["dt_bias"] = 0.1 * torch.randn(H * K, generator=gen, device=device)
+        out.update(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
     return out
 
 

@@ -54,7 +54,7 @@ def lightning_phases(T: int, H: int, D: int, reps: int) -> dict[str, float]:
 
 
 def kda_phases(T: int, H: int, D: int, reps: int) -> dict[str, float]:
-    from cula.cp.kda import _carried
+    from cula.cp.kda import _add_carried
     from cula.cp.multigpu import make_inputs
     from cula.kernels.sm90.kda_fwd import kda_fwd
 
@@ -65,7 +65,7 @@ def kda_phases(T: int, H: int, D: int, reps: int) -> dict[str, float]:
     o, _, o_id, _ = kda_fwd(**x, cu_seqlens=cu, output_final_state=True, identity_response=True)
 
     def correct():
-        return (o[0].float() + _carried(o_id, h0)[0]).to(o.dtype)
+        return _add_carried(o, o_id, h0)
 
     return {
         "forward": _median_ms(lambda: kda_fwd(**x, cu_seqlens=cu), reps),
