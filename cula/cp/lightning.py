@@ -2,15 +2,18 @@
 
 Per rank, three steps:
 
-1. summary: the last local segment's ``(M, b)``, ``M = exp(-decay * L_last)`` and ``b`` its end state from
-   zero (plus ``M`` times its own initial state when it starts on this rank), in closed form because the
-   decay is a scalar per head: ``b = sum_t exp(-decay * (L - 1 - t)) k_t^T v_t``, one ``[K, L] x [L, V]``
-   product per head;
-2. scan: :func:`cula.cp.scan.exclusive_scan` turns the summaries into this rank's carried-in state ``S0``;
-3. one call of the local forward over this rank's segments with their true initial states (``S0`` for the
-   first): its outputs and final states are the single-device ones, with no correction pass.
+1. local pass: one call of the local forward over this rank's segments, the first one (if it continues a
+   sequence from an earlier rank) started from zero, the others from their true initial states;
+2. scan: the summary of the last segment, ``(M, b) = (exp(-decay * L_last), its end state)``, goes through
+   :func:`cula.cp.scan.exclusive_scan`, which returns the carried-in state ``S0`` of the first;
+3. correction, closed form because ``M`` is a scalar per head: token ``t`` (0-based) of the first segment
+   gets ``scale * exp(-decay * (t + 1)) * q_t S0`` added, and its end state ``exp(-decay * L_first) S0``.
 
-Extra cost over the plain local forward: the product of step 1 and the scan.
+Extra cost over the plain local forward: the scan and one ``[L_first, K] x [K, V]`` product per head, run on
+the tensor cores into ``o`` in place for half-precision outputs. (Running the forward once more from the
+true state, or once after a closed-form ``b``, puts a pass over the piece on the critical path before the
+forward; measured on the H200 the ``b`` product alone, ``[K, L] x [L, V]`` per head, costs half a forward,
+its output being only ``HV`` tiles; the correction's output is ``L x V`` per head.)
 """
 
 from __future__ import annotations
@@ -25,53 +28,63 @@ from cula.cp.gather import assemble_final_state, concat_tokens, split_tokens
 from cula.cp.scan import emulated_initial_states, exclusive_scan, inputs_require_grad, scan_dtype
 
 
-def _summary(k, v, decay, initial_state, ctx: CPContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 1: ``(M [HV], b [HV, K, V])`` of the last local segment (zeros when it does not carry out)."""
-    HV, V, K = v.shape[2], v.shape[3], k.shape[3]
-    sdt = scan_dtype(torch.promote_types(v.dtype, initial_state.dtype if initial_state is not None else v.dtype))
-    if not ctx.carries_out:
-        return torch.zeros(HV, device=v.device, dtype=sdt), torch.zeros(HV, K, V, device=v.device, dtype=sdt)
-    cu = ctx.cu_seqlens_cpu
-    start, end = int(cu[-2]), int(cu[-1])
-    length = end - start
-    dec = decay.to(sdt)
-    group = HV // k.shape[2]
-    # weight of token t in the end state: exp(-decay * (L - 1 - t)), [L, HV]
-    age = torch.arange(length - 1, -1, -1, device=v.device, dtype=sdt)
-    weight = torch.exp(-dec[None, :] * age[:, None])
-    k_seg = k[0, start:end] if group == 1 else k[0, start:end].repeat_interleave(group, dim=1)
-    # Half inputs: the weights are rounded to k's dtype and applied in one pass (as the kernel rounds its
-    # decayed k); fp32/fp64 inputs stay exact.
-    k_w = k_seg * weight.to(k.dtype)[..., None]
-    b = _bmm_wide(k_w.permute(1, 2, 0), v[0, start:end].transpose(0, 1), sdt)  # [HV, K, V]
-    m = torch.exp(-dec * length)
-    starts_here = not (ctx.carries_in and ctx.num_seqs == 1)
-    if starts_here and initial_state is not None:
-        b = b + m[:, None, None] * initial_state[ctx.seq_ids[-1]].to(sdt)
-    return m, b
+def _local_pass(q, k, v, decay, scale, initial_state, output_final_state, ctx: CPContext, local_fn):
+    """Step 1: local outputs (first segment from zero if it carries in) and the rank's summary ``(M, b)``."""
+    HV, V, K = v.shape[2], v.shape[3], q.shape[3]
+    # Every rank asks for states when CP is on, so that all ranks scan in the local forward's state dtype.
+    need_final = output_final_state or ctx.world_size > 1
+    o, final = local_fn(
+        q, k, v, decay,
+        scale=scale,
+        initial_state=_local.local_initial_states(initial_state, ctx),
+        output_final_state=need_final,
+        cu_seqlens=ctx.cu_seqlens,
+    )
+    sdt = scan_dtype(final.dtype if final is not None else torch.float32)  # same on every rank
+    if ctx.carries_out:
+        last_len = int(ctx.cu_seqlens_cpu[-1] - ctx.cu_seqlens_cpu[-2])
+        m = torch.exp(-decay.to(sdt) * last_len)
+        b = final[-1].to(sdt)
+    else:
+        m = torch.zeros(HV, device=v.device, dtype=sdt)
+        b = torch.zeros(HV, K, V, device=v.device, dtype=sdt)
+    return o, final, m, b
 
 
-def _bmm_wide(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b`` batched, accumulated and returned in ``out_dtype`` (half inputs stay half on the tensor cores
-    when autograd is off; the kernels round the same way)."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and not inputs_require_grad(a, b):
-        try:
-            return torch.bmm(a, b, out_dtype=out_dtype)
-        except (TypeError, RuntimeError):  # a torch without bmm(out_dtype=)
-            pass
-    return torch.bmm(a.to(out_dtype), b.to(out_dtype))
-
-
-def _local_run(q, k, v, decay, scale, initial_state, h0, ctx: CPContext, output_final_state, local_fn):
-    """Step 3: one local call with every segment's true initial state (``h0`` for a carried-in first one)."""
-    rows = _local.local_initial_states(initial_state, ctx)
+def _finish(o, final, q, decay, scale, h0, anchor, ctx: CPContext, output_final_state):
+    """Step 3: add the carried-in state's contribution to the first segment."""
     if h0 is not None:
-        dt = h0.dtype if rows is None else torch.promote_types(rows.dtype, h0.dtype)
-        if rows is None:
-            rows = torch.zeros(ctx.num_seqs, *h0.shape, device=h0.device, dtype=dt)
-        rows = torch.cat([h0[None].to(dt), rows[1:].to(dt)])
-    return local_fn(q, k, v, decay, scale=scale, initial_state=rows, output_final_state=output_final_state,
-                    cu_seqlens=ctx.cu_seqlens)
+        first_len = int(ctx.cu_seqlens_cpu[1])
+        HV = h0.shape[0]
+        group = HV // q.shape[2]
+        steps = torch.arange(1, first_len + 1, device=h0.device, dtype=h0.dtype)
+        weight = scale * torch.exp(-decay.to(h0.dtype)[None, :] * steps[:, None])  # [L_first, HV]
+        q_first = q[0, :first_len] if group == 1 else q[0, :first_len].repeat_interleave(group, dim=1)
+        o = _add_carried(o, q_first, weight, h0)
+        if output_final_state:
+            end = final[0].to(h0.dtype) + torch.exp(-decay.to(h0.dtype) * first_len)[:, None, None] * h0
+            final = torch.cat([end[None].to(final.dtype), final[1:]])
+    if anchor is not None:
+        o = o + anchor.to(o.dtype)
+    return o, (final if output_final_state else None)
+
+
+def _add_carried(o: torch.Tensor, q_first: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+    """``o[:, t] += weight[t] * q_t h0`` over the first ``L`` tokens (``q_first [L, HV, K]``), in o's dtype.
+
+    Half-precision outputs on CUDA (forward only): ``weight`` is folded into q in o's dtype and one tensor-core
+    product accumulates into ``o`` in place (cuBLAS adds ``o`` in fp32 and rounds once); ``h0`` is rounded to
+    o's dtype as the kernel rounds its state for ``q S``. Elsewhere: the exact product in h0's dtype."""
+    L = q_first.shape[0]
+    fast = (o.is_cuda and o.dtype in (torch.bfloat16, torch.float16) and q_first.dtype == o.dtype
+            and not inputs_require_grad(o, q_first, weight, h0))
+    if fast:
+        q_w = q_first * weight.to(o.dtype)[..., None]
+        o[0, :L].transpose(0, 1).baddbmm_(q_w.transpose(0, 1), h0.to(o.dtype))
+        return o
+    carried = torch.einsum("thk,hkv->thv", q_first.to(h0.dtype), h0) * weight[..., None]
+    o_first = (o[0, :L].to(h0.dtype) + carried).to(o.dtype)
+    return o_first[None] if L == o.shape[1] else torch.cat([o_first[None], o[:, L:]], dim=1)
 
 
 def _scale(scale: float | None, q: torch.Tensor) -> float:
@@ -121,12 +134,9 @@ def lightning_attn_fwd(
     scale = _scale(scale, q)
     decay = decay.reshape(-1)
 
-    m, b = _summary(k, v, decay, initial_state, ctx)
+    o, final, m, b = _local_pass(q, k, v, decay, scale, initial_state, output_final_state, ctx, local_fn)
     h0, anchor = exclusive_scan(m, b, ctx, requires_grad=inputs_require_grad(q, k, v, decay, initial_state))
-    o, final = _local_run(q, k, v, decay, scale, initial_state, h0, ctx, output_final_state, local_fn)
-    if anchor is not None:
-        o = o + anchor.to(o.dtype)
-    return o, (final if output_final_state else None)
+    return _finish(o, final, q, decay, scale, h0, anchor, ctx, output_final_state)
 
 
 def emulate_lightning_attn_fwd(
@@ -161,11 +171,14 @@ def emulate_lightning_attn_fwd(
     decay = decay.reshape(-1)
 
     pieces = [(split_tokens(q, c), split_tokens(k, c), split_tokens(v, c)) for c in contexts]
-    summaries = [_summary(kl, vl, decay, initial_state, c) for (_, kl, vl), c in zip(pieces, contexts)]
-    h0s = emulated_initial_states(summaries, contexts)
+    passes = [
+        _local_pass(ql, kl, vl, decay, scale, initial_state, output_final_state, c, local_fn)
+        for (ql, kl, vl), c in zip(pieces, contexts)
+    ]
+    h0s = emulated_initial_states([(m, b) for _, _, m, b in passes], contexts)
     results = [
-        _local_run(ql, kl, vl, decay, scale, initial_state, h0, c, output_final_state, local_fn)
-        for (ql, kl, vl), h0, c in zip(pieces, h0s, contexts)
+        _finish(o, final, ql, decay, scale, h0, None, c, output_final_state)
+        for (o, final, _, _), (ql, _, _), h0, c in zip(passes, pieces, h0s, contexts)
     ]
     o = concat_tokens([r[0] for r in results])
     if packed:

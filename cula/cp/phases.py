@@ -3,8 +3,8 @@
     python -m cula.cp.phases --T 65536 --H 16          # a rank's piece of T tokens (one sequence)
 
 What a middle or last rank does besides the plain local forward, each phase timed alone with CUDA events
-(median of ``--reps``, after warm-up): Lightning's closed-form summary and its forward from an initial
-state; KDA's forward with the kernel's identity response (the second stage-2 pass on a side stream), each
+(median of ``--reps``, after warm-up): Lightning's forward with its final state and the closed-form
+correction ``o += w_t q_t h0``; KDA's forward with the kernel's identity response (the second stage-2 pass on a side stream), each
 stage alone, and the correction ``o += o_I h0``. The multi-GPU script times the whole; this says where the
 difference between CP and the plain local forward goes.
 """
@@ -33,23 +33,22 @@ def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
 
 
 def lightning_phases(T: int, H: int, D: int, reps: int) -> dict[str, float]:
-    from cula.cp.context import emulated_contexts
-    from cula.cp.lightning import _summary
+    from cula.cp.lightning import _add_carried
     from cula.cp.multigpu import make_inputs
     from cula.lightning import lightning_attn_fwd
 
     dev = torch.device("cuda")
     x = make_inputs("lightning", T, H, D, D, torch.bfloat16, dev, seed=0)
     cu = torch.tensor([0, T], device=dev, dtype=torch.int32)
-    # a middle rank of three: its one segment carries a state in and out
-    ctx = emulated_contexts(torch.tensor([0, 3 * T]), 3)[1]
     h0 = torch.randn(H, D, D, device=dev) * 0.01
+    o, _ = lightning_attn_fwd(**x, cu_seqlens=cu, output_final_state=True)
+    steps = torch.arange(1, T + 1, device=dev, dtype=torch.float32)
+    weight = D ** -0.5 * torch.exp(-x["decay"][None, :] * steps[:, None])
     return {
         "forward": _median_ms(lambda: lightning_attn_fwd(**x, cu_seqlens=cu), reps),
         "forward, final state": _median_ms(lambda: lightning_attn_fwd(**x, cu_seqlens=cu, output_final_state=True),
                                            reps),
-        "forward from h0": _median_ms(lambda: lightning_attn_fwd(**x, cu_seqlens=cu, initial_state=h0[None]), reps),
-        "summary (M, b)": _median_ms(lambda: _summary(x["k"], x["v"], x["decay"], None, ctx), reps),
+        "correction o + w q h0": _median_ms(lambda: _add_carried(o, x["q"][0], weight, h0), reps),
     }
 
 
