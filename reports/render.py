@@ -298,21 +298,29 @@ def render(sel: Selection, chart_file: str | None = None) -> str:
     """Markdown of one published file (``chart_file``: the PNG name to link, if one is drawn)."""
     if sel.empty:
         return _env().get_template("no_run.md.j2").render(gpu=sel.gpu_kind, file=TARGETS.get(sel.gpu_kind, ""))
-    views = [_suite_view(s.suite, s.run_id, s.rows) for s in sel.suites]
+    from cula.reports.cp_view import CP_SUITES, cp_view
+
+    views = [_suite_view(s.suite, s.run_id, s.rows) for s in sel.suites if s.suite not in CP_SUITES]
+    cp_rows = {name: [r for s in sel.suites if s.suite == name for r in s.rows] for name in CP_SUITES}
+    cp = cp_view(cp_rows["cp_scaling"], cp_rows["cp_check"]) if any(cp_rows.values()) else None
     runs = []
     for run_id in sorted(sel.runs):
         rows = [r for s in sel.suites if s.run_id == run_id for r in s.rows]
         runs.append(_run_header(rows, str(sel.runs[run_id].meta.get("status", "unknown"))))
-    flagged = sum(len(v.failures) for v in views)
+    flagged = sum(len(v.failures) for v in views) + (len(cp.failures) if cp else 0)
     return _env().get_template("benchmark.md.j2").render(
         gpu=sel.gpu_kind, gpu_name=runs[0]["gpu"], runs=runs, suites=views, chart=chart_file,
-        flagged=flagged, baseline=BASELINE, primary=PRIMARY)
+        flagged=flagged, baseline=BASELINE, primary=PRIMARY, cp=cp)
 
 
 def chart_series(sel: Selection) -> list[tuple[str, list[tuple[str, dict[str, float]]]]]:
     """Per suite: (config label, {impl: eager speedup over FLA}) for the chart."""
+    from cula.reports.cp_view import CP_SUITES
+
     out = []
     for s in sel.suites:
+        if s.suite in CP_SUITES:  # no FLA baseline in these rows: their speedup is over one GPU
+            continue
         v = _suite_view(s.suite, s.run_id, s.rows)
         if any(sp for _, sp in v.chart_data):
             out.append((s.suite, v.chart_data))

@@ -131,3 +131,42 @@ def test_incomplete_run_is_labelled(tmp_path):
     assert "run interrupted: not every config was measured" in text
     store_run(tmp_path / "b", R1, make_rows(R1, limit=3))
     assert "not every config" not in render(select(load_runs(tmp_path / "b")[0], "H200"))
+
+
+def _cp_rows() -> list[dict]:
+    """Rows as ``cula.cp.multigpu`` produces them: W = 1, 2 scaling for one variant and two checks."""
+    rows = []
+    for T, w1, w2, local in ((131072, 5.0, 4.0, 3.0), (262144, 10.0, 6.25, 5.5)):
+        for w, ms in ((1, w1), (2, w2)):
+            rows.append(dict(kind="scaling", variant="kda", world_size=w, T=T, times_ms=[ms] * 5, ms=ms,
+                             us_per_token=ms * 1e3 / T, local_ms=local if w == 2 else float("nan"), note=""))
+    for layout, ok in (("fixed", True), ("varlen", False)):
+        rows.append(dict(kind="check", variant="kda", layout=layout, lens=[96] if layout == "fixed" else [50, 0, 46],
+                         world_size=2, T=96, ok=ok, tol_o=0.01, tol_s=0.01, o_cp=0.004 if ok else 0.5, o_one=0.004,
+                         s_cp=0.003, s_one=0.003, o_cp_vs_one=1e-4, s_cp_vs_one=1e-4, o_max_abs=0.01, s_max_abs=0.01))
+    return rows
+
+
+def test_context_parallel_section(tmp_path, monkeypatch):
+    """The multi-GPU rows get their own tables: speedup over W = 1, efficiency, the local forward alone, and
+    the checks, a failed one flagged; they stay out of the suite views and the chart."""
+    import cula.bench.fingerprint as fingerprint
+    from cula.cp import multigpu
+
+    monkeypatch.setattr(fingerprint, "collect", lambda device: dict(H200))
+    rows = _cp_rows()
+    multigpu._speedups(rows)
+    args = multigpu.parse_args(["--device", "cpu", "--store", str(tmp_path)])
+    multigpu.store_rows(rows, args, "2026-01-03T00:00:00Z")
+    store_run(tmp_path, R1, make_rows(R1, limit=2))
+    text = render(select(load_runs(tmp_path)[0], "H200"))
+    scaling = _table(text, "### Strong scaling: kda (cula)")
+    assert scaling[0] == ["T", "W=1 ms", "W=2 ms", "W=2 speedup", "W=2 efficiency", "W=2 local forward alone ms",
+                          "ns/token at W=2"]
+    assert scaling[2] == ["131072", "5.00", "4.00", "1.25x", "62%", "3.00", f"{4.0 * 1e6 / 131072:.1f}"]
+    assert scaling[3][3:5] == ["1.60x", "80%"]
+    checks = _table(text, "### Correctness across GPUs")
+    assert [c[-1] for c in checks[2:]] == ["pass", "**fail**"]
+    assert "**1 row(s) failed" in text
+    assert "## Suite `cp_scaling`" not in text and "## Suite `kda`" in text
+    assert "multi-GPU): timing: median of 5" in text
