@@ -99,9 +99,6 @@ def supports(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, A_log, dt_bias)
     ):
         return "cula-sm90 kda_fwd: forward only (inputs require grad: FLA's autograd path is used)"
-    too_big = _too_big(q.shape[0] * q.shape[1], v.shape[2], cu_seqlens, q.shape[0])
-    if too_big:
-        return f"cula-sm90 kda_fwd: {too_big}"
     misaligned = _misaligned(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     if misaligned:
         return f"cula-sm90 kda_fwd: {misaligned}"
@@ -493,9 +490,14 @@ def kda_fwd(
     TT = B * T
     scale = K ** -0.5 if scale is None else float(scale)
     qf, kf, vf, gf, bf = (x.contiguous() for x in _flatten(q, k, v, g, beta))
-    too_big = _too_big(TT, HV, cu_seqlens, B)
-    if too_big:
-        raise ValueError(f"kda_fwd: {too_big}; split the batch")
+    if _too_big(TT, HV, cu_seqlens, B):
+        return _fwd_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                              identity_response, return_scratch, stages,
+                              dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                   use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                                   allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+                                   state_v_first=state_v_first))
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     # every token belongs to one sequence (cu_seqlens[-1] == B*T is validated): o is fully written
     o = torch.empty(TT, HV, V, dtype=v.dtype, device=dev)
@@ -605,6 +607,24 @@ def kda_fwd(
     if return_scratch:
         return out, ht, dict(w=w, u=u, qg=qg, aqk=aqk, kgt=kgt, gam=gam)
     return out, ht
+
+
+def _fwd_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, identity_response,
+                   return_scratch, stages, flags):
+    """``kda_fwd`` on inputs past the 32-bit offsets: consecutive pieces, states carried (kda_fwd_pieces)."""
+    from cula.kernels.sm90 import kda_fwd_pieces as pieces
+
+    if identity_response or return_scratch or tuple(stages) != ("intra", "recur"):
+        raise ValueError("kda_fwd: identity_response, return_scratch and stages need an input within the "
+                         f"32-bit offsets ({_too_big(q.shape[0] * q.shape[1], v.shape[2], cu_seqlens, q.shape[0])})")
+    B, T = q.shape[:2]
+    HV, V, K = v.shape[2], v.shape[3], q.shape[3]
+    cu = (cu_seqlens.tolist() if cu_seqlens is not None else [i * T for i in range(B + 1)])
+    packed = {name: x.reshape(1, B * T, *x.shape[2:]) for name, x in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
+    plan = pieces.plan(cu, HV, MAX_ELEMENTS)
+    o, ht = pieces.run_in_pieces(kda_fwd, packed, cu, initial_state, output_final_state, plan, (HV, K, V),
+                                 scale=scale, **flags)
+    return o.reshape(B, T, HV, V), ht
 
 
 _SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
