@@ -72,7 +72,10 @@ def cp_view(scaling: list[Row], checks: list[Row]) -> CPView:
             last = by_w.get(ws[-1])
             cells.append(f"{last.eager_ms * 1e6 / T:.1f}" if last is not None and last.eager_ms > 0 else "-")
             body.append(cells)
-        tables.append((f"{variant} ({impl})", Table(headers, body, ["r"] * len(headers))))
+        # "cula.cp over cula (cula-sm90)": the part in brackets is the backend dispatch picked locally
+        local = sorted({r.backend.split("(", 1)[1].rstrip(")") for r in mine if "(" in (r.backend or "")})
+        title = f"{variant} ({impl}" + (f"; local op: {', '.join(local)}" if local else "") + ")"
+        tables.append((title, Table(headers, body, ["r"] * len(headers))))
     check_table = None
     failures = []
     if checks:

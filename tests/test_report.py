@@ -139,7 +139,8 @@ def _cp_rows() -> list[dict]:
     for T, w1, w2, local in ((131072, 5.0, 4.0, 3.0), (262144, 10.0, 6.25, 5.5)):
         for w, ms in ((1, w1), (2, w2)):
             rows.append(dict(kind="scaling", variant="kda", world_size=w, T=T, times_ms=[ms] * 5, ms=ms,
-                             us_per_token=ms * 1e3 / T, local_ms=local if w == 2 else float("nan"), note=""))
+                             us_per_token=ms * 1e3 / T, local_ms=local if w == 2 else float("nan"), note="",
+                             local_backend="cula-sm90"))
     for layout, ok in (("fixed", True), ("varlen", False)):
         rows.append(dict(kind="check", variant="kda", layout=layout, lens=[96] if layout == "fixed" else [50, 0, 46],
                          world_size=2, T=96, ok=ok, tol_o=0.01, tol_s=0.01, o_cp=0.004 if ok else 0.5, o_one=0.004,
@@ -160,7 +161,7 @@ def test_context_parallel_section(tmp_path, monkeypatch):
     multigpu.store_rows(rows, args, "2026-01-03T00:00:00Z")
     store_run(tmp_path, R1, make_rows(R1, limit=2))
     text = render(select(load_runs(tmp_path)[0], "H200"))
-    scaling = _table(text, "### Strong scaling: kda (cula)")
+    scaling = _table(text, "### Strong scaling: kda (cula; local op: cula-sm90)")
     assert scaling[0] == ["T", "W=1 ms", "W=2 ms", "W=2 speedup", "W=2 efficiency", "W=2 local forward alone ms",
                           "ns/token at W=2"]
     assert scaling[2] == ["131072", "5.00", "4.00", "1.25x", "62%", "3.00", f"{4.0 * 1e6 / 131072:.1f}"]

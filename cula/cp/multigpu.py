@@ -123,6 +123,20 @@ def check_layouts(T: int, world_size: int) -> dict[str, list[int]]:
 
 
 # ------------------------------------------------------------------------------------------ helpers
+def local_backend(variant: str, impl: str, inputs: dict, cu_seqlens: torch.Tensor) -> str:
+    """The backend cula's dispatch picks for the local forward on these inputs (so a row never times FLA
+    under the cula label: inputs the kernels do not take go to FLA)."""
+    if impl != "cula":
+        return impl
+    from cula import _dispatch
+
+    op = "chunk_kda" if variant == "kda" else "lightning_attn_fwd"
+    try:
+        return _dispatch.explain(op, **inputs, cu_seqlens=cu_seqlens).backend or "none"
+    except Exception as exc:  # noqa: BLE001 - a label, never a reason to stop the run
+        return f"unknown ({type(exc).__name__})"
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -230,6 +244,8 @@ def _scaling(args, variant: str, rank: int, world_size: int, device) -> list[dic
         local_T = T // world_size
         # Values do not matter for time: each rank draws its own piece directly on its device.
         local = make_inputs(variant, local_T, args.H, args.K, args.V, dtype, device, seed=rank)
+        backend = local_backend(variant, args.impl, local, torch.tensor([0, local_T], device=device,
+                                                                        dtype=torch.int32))
         note = ""
         try:
             if world_size == 1:
@@ -261,9 +277,11 @@ def _scaling(args, variant: str, rank: int, world_size: int, device) -> list[dic
             med = times[len(times) // 2] if times else float("nan")
             local_ms = local_times[len(local_times) // 2] if local_times else float("nan")
             rows.append(dict(kind="scaling", variant=variant, world_size=world_size, T=T, times_ms=times,
-                             ms=med, us_per_token=med * 1e3 / T, local_ms=local_ms, note=note))
+                             ms=med, us_per_token=med * 1e3 / T, local_ms=local_ms, note=note,
+                             local_backend=backend))
             print(f"[scale] {variant:9s} W={world_size} T={T:>8d}: {med:9.3f} ms  "
-                  f"{med * 1e6 / T:8.3f} ns/token  (local forward alone {local_ms:.3f} ms) {note}", flush=True)
+                  f"{med * 1e6 / T:8.3f} ns/token  (local forward alone {local_ms:.3f} ms; {backend}) {note}",
+                  flush=True)
     return rows
 
 
@@ -400,7 +418,9 @@ def store_rows(rows: list[dict], args, started: str) -> str | None:
                                                      args.scan]).encode()).hexdigest()[:16]
         row.variant, row.phase, row.mode, row.B, row.T = r["variant"], "prefill", f"cp{r['world_size']}", 1, r["T"]
         row.H, row.HV, row.K, row.V, row.dtype = args.H, args.H, args.K, args.V, args.dtype
-        row.flags_json, row.backend = json.dumps(flags), f"cula.cp over {args.impl}"
+        local = r.get("local_backend")
+        row.flags_json = json.dumps(flags)
+        row.backend = f"cula.cp over {args.impl}" + (f" ({local})" if local else "")
         row.run_started, row.date, row.command = started, fingerprint.utc_now(), command
         row.settings_json = json.dumps(dict(warmup=args.warmup, reps=args.reps, timing="barrier-to-barrier wall"))
         for k, v in fp_fields.items():
