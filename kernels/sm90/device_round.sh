@@ -19,7 +19,7 @@ step() {  # step NAME TIMEOUT CMD...
     timeout "$t" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     echo "== $name rc=$rc in $((SECONDS - s)) s (total $((SECONDS - start)) s)"
-    grep -E "passed|failed|error|PASS|FAIL|EXCEPTION|split|correctness|config|eager|graph" "$OUT/$name.log" | tail -n 25
+    grep -E "passed|failed|error|PASS|FAIL|EXCEPTION|split|correctness|config|eager|graph|\[scale\]" "$OUT/$name.log" | tail -n 25
 }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 for s in $steps; do
@@ -204,6 +204,15 @@ for s in $steps; do
             step oiu_items$a 90 env CULA_KDA_RECUR_O_IN_U=$a CULA_KDA_RECUR_STATE_SMEM=1 \
                 python3 -m cula.kernels.sm90.kda_fwd --check --split items
         done ;;
+    cp_gpu)  # session 13's CPU-only CP pieces (one GPU is enough): KDA in pieces bitwise, the CP emulation tests
+        step kda_pieces 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_fwd_pieces.py
+        step cp_gpu 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_cp_gpu.py ;;
+    cp_scaling)  # 2+ GPUs (set CULA_GIT_SHA first): checks and strong scaling up to 1M (W=1 at 1M runs in pieces)
+        step cp_scaling 330 python3 -m cula.cp.multigpu --scaling-T 131072,262144,524288,1048576 --reps 10 \
+            --store "$OUT/results" --md "$OUT/cp_cula.md" ;;
+    cp_fla)  # 2+ GPUs: FLA's own CP on the same inputs (FLA tunes its CP kernels in every rank: alone, 300 s)
+        step cp_fla 300 python3 -m cula.cp.multigpu --variants kda --impl fla-native \
+            --scaling-T 131072,262144,524288 --reps 10 --store "$OUT/results" --md "$OUT/cp_fla.md" ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
