@@ -279,7 +279,8 @@ def chunk_kda(
         cu_seqlens: ``None`` or the context's boundaries; the context's local ones are used.
         cp_context: from :func:`cula.cp.build_cp_context` (an FLA ``FLACPContext`` is accepted too).
         local_fn: the single-device forward run locally (default: the public op ``cula.kda.chunk_kda``).
-            It is called with ``V + K`` value columns on the boundary segments.
+            With ``identity_columns="appended"`` a carried-in first segment calls it with ``V + K`` value
+            columns.
         identity_columns: how a segment that carries a state in gets its identity response ``o_I`` and
             transition ``M``. ``"kernel"``: the SM90 kernel returns them with the forward (stage 1 shared, the
             two stage-2 passes overlapped on two streams); ``"appended"``: one local call with ``V + K`` value

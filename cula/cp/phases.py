@@ -5,8 +5,8 @@
 What a middle or last rank does besides the plain local forward, each phase timed alone with CUDA events
 (median of ``--reps``, after warm-up): Lightning's forward with its final state and the closed-form
 correction ``o += w_t q_t h0``; KDA's forward with the kernel's identity response (the second stage-2
-pass on a side stream), each stage alone, and the correction ``o += o_I h0``. The multi-GPU script times the whole; this says where the
-difference between CP and the plain local forward goes.
+pass on a side stream), each stage alone, and the correction ``o += o_I h0``. The multi-GPU script times
+the whole; this says where the difference between CP and the plain local forward goes.
 """
 
 from __future__ import annotations
