@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 from cula.cp.context import CPContext
+from cula.cp.scan import inputs_require_grad
 
 LocalFn = Callable[..., tuple[torch.Tensor, "torch.Tensor | None"]]
 
@@ -122,3 +123,27 @@ def pack_batch(x: torch.Tensor) -> torch.Tensor:
 def uniform_cu_seqlens(batch: int, length: int, device: torch.device) -> torch.Tensor:
     """Boundaries of ``batch`` packed sequences of ``length`` tokens."""
     return torch.arange(batch + 1, device=device, dtype=torch.int64) * length
+
+
+def add_state_product(o: torch.Tensor, a: torch.Tensor, h0: torch.Tensor,
+                      row_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``o[0, t] += w_t * (a_t @ h0)`` per head over the first ``L`` tokens, in o's dtype: the correction of a
+    carried-in state ``h0 [HV, K, V]`` (``o [1, T, HV, V]``, ``a [L, HV, K]``, ``row_weight [L, HV]`` or None).
+
+    Half-precision outputs on CUDA (forward only): the weight is folded into ``a`` in o's dtype and one
+    tensor-core product accumulates into ``o`` in place (cuBLAS adds ``o`` in fp32 and rounds once); ``h0`` is
+    rounded to o's dtype, as the kernels round their state for ``q S``. Elsewhere: the exact product in h0's
+    dtype, on a new tensor."""
+    L = a.shape[0]
+    fast = (o.is_cuda and o.dtype in (torch.bfloat16, torch.float16) and a.dtype == o.dtype
+            and not inputs_require_grad(o, a, h0, row_weight))
+    if fast:
+        if row_weight is not None:
+            a = a * row_weight.to(o.dtype)[..., None]
+        o[0, :L].transpose(0, 1).baddbmm_(a.transpose(0, 1), h0.to(o.dtype))
+        return o
+    carried = torch.einsum("thk,hkv->thv", a.to(h0.dtype), h0)
+    if row_weight is not None:
+        carried = carried * row_weight[..., None]
+    o_first = (o[0, :L].to(h0.dtype) + carried).to(o.dtype)
+    return o_first[None] if L == o.shape[1] else torch.cat([o_first[None], o[:, L:]], dim=1)

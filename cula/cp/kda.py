@@ -187,15 +187,14 @@ def _local_pass(tokens: dict, initial_state, output_final_state, ctx: CPContext,
     v, q = tokens["v"], tokens["q"]
     HV, V, K = v.shape[2], v.shape[3], q.shape[3]
     sdt = scan_dtype(results[-1].final.dtype if results[-1].final is not None else torch.float32)
+    m = torch.zeros(HV, K, K, device=v.device, dtype=sdt)
+    b = torch.zeros(HV, K, V, device=v.device, dtype=sdt)
     if ctx.carries_out:
         last = results[-1]
         b = last.final[-1].to(sdt)
         # The transition matters only where the carried-in state passes through (one segment, both ways).
-        m = last.transition.to(sdt) if last.transition is not None else torch.zeros(HV, K, K, device=v.device,
-                                                                                      dtype=sdt)
-    else:
-        m = torch.zeros(HV, K, K, device=v.device, dtype=sdt)
-        b = torch.zeros(HV, K, V, device=v.device, dtype=sdt)
+        if last.transition is not None:
+            m = last.transition.to(sdt)
     return results, m, b
 
 
@@ -203,7 +202,7 @@ def _finish(results: list[_PieceResult], h0, anchor, output_final_state, state_v
     """Step 3: add the carried-in state's contribution to the first segment, then concatenate the pieces."""
     if h0 is not None:
         first = results[0]
-        o = _add_carried(first.o, first.o_identity, h0)
+        o = _local.add_state_product(first.o, first.o_identity[0], h0)
         final = first.final
         if final is not None:
             end = first.final[0].to(h0.dtype) + torch.matmul(first.transition.to(h0.dtype), h0)
@@ -216,20 +215,6 @@ def _finish(results: list[_PieceResult], h0, anchor, output_final_state, state_v
         return o, None
     final = torch.cat([r.final for r in results])
     return o, _k_first(final, state_v_first)
-
-
-def _add_carried(o: torch.Tensor, o_identity: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
-    """``o + o_I @ h0`` per head for the first segment (``o [1, L, HV, V]``, ``o_I [1, L, HV, K]``), in o's dtype.
-
-    On CUDA with half-precision outputs (forward only) it is one tensor-core product accumulated into ``o``
-    in place (cuBLAS adds ``o`` in fp32 and rounds once); ``h0`` is rounded to o's dtype for it, as the
-    kernel rounds its state for its own ``q S`` products. Elsewhere: the exact product in h0's dtype."""
-    fast = (o.is_cuda and o.dtype in (torch.bfloat16, torch.float16) and o_identity.dtype == o.dtype
-            and not inputs_require_grad(o, o_identity, h0))
-    if fast:
-        o[0].transpose(0, 1).baddbmm_(o_identity[0].transpose(0, 1), h0.to(o.dtype))
-        return o
-    return (o.to(h0.dtype) + torch.einsum("bthk,hkv->bthv", o_identity.to(h0.dtype), h0)).to(o.dtype)
 
 
 def _split_options(kwargs: dict) -> dict:

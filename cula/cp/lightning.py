@@ -60,31 +60,13 @@ def _finish(o, final, q, decay, scale, h0, anchor, ctx: CPContext, output_final_
         steps = torch.arange(1, first_len + 1, device=h0.device, dtype=h0.dtype)
         weight = scale * torch.exp(-decay.to(h0.dtype)[None, :] * steps[:, None])  # [L_first, HV]
         q_first = q[0, :first_len] if group == 1 else q[0, :first_len].repeat_interleave(group, dim=1)
-        o = _add_carried(o, q_first, weight, h0)
+        o = _local.add_state_product(o, q_first, h0, weight)
         if output_final_state:
             end = final[0].to(h0.dtype) + torch.exp(-decay.to(h0.dtype) * first_len)[:, None, None] * h0
             final = torch.cat([end[None].to(final.dtype), final[1:]])
     if anchor is not None:
         o = o + anchor.to(o.dtype)
     return o, (final if output_final_state else None)
-
-
-def _add_carried(o: torch.Tensor, q_first: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
-    """``o[:, t] += weight[t] * q_t h0`` over the first ``L`` tokens (``q_first [L, HV, K]``), in o's dtype.
-
-    Half-precision outputs on CUDA (forward only): ``weight`` is folded into q in o's dtype and one tensor-core
-    product accumulates into ``o`` in place (cuBLAS adds ``o`` in fp32 and rounds once); ``h0`` is rounded to
-    o's dtype as the kernel rounds its state for ``q S``. Elsewhere: the exact product in h0's dtype."""
-    L = q_first.shape[0]
-    fast = (o.is_cuda and o.dtype in (torch.bfloat16, torch.float16) and q_first.dtype == o.dtype
-            and not inputs_require_grad(o, q_first, weight, h0))
-    if fast:
-        q_w = q_first * weight.to(o.dtype)[..., None]
-        o[0, :L].transpose(0, 1).baddbmm_(q_w.transpose(0, 1), h0.to(o.dtype))
-        return o
-    carried = torch.einsum("thk,hkv->thv", q_first.to(h0.dtype), h0) * weight[..., None]
-    o_first = (o[0, :L].to(h0.dtype) + carried).to(o.dtype)
-    return o_first[None] if L == o.shape[1] else torch.cat([o_first[None], o[:, L:]], dim=1)
 
 
 def _scale(scale: float | None, q: torch.Tensor) -> float:

@@ -244,13 +244,14 @@ def _scaling(args, variant: str, rank: int, world_size: int, device) -> list[dic
         local_T = T // world_size
         # Values do not matter for time: each rank draws its own piece directly on its device.
         local = make_inputs(variant, local_T, args.H, args.K, args.V, dtype, device, seed=rank)
-        backend = local_backend(variant, args.impl, local, torch.tensor([0, local_T], device=device,
-                                                                        dtype=torch.int32))
+        cu_local = torch.tensor([0, local_T], device=device, dtype=torch.int32)  # == cu at W = 1
+        backend = local_backend(variant, args.impl, local, cu_local)
+        # the plain single-device op: the W = 1 baseline, and every rank's piece alone at W > 1
+        plain = local_op(variant, "fla" if args.impl == "fla-native" else args.impl)
         note = ""
         try:
             if world_size == 1:
-                op = local_op(variant, "fla" if args.impl == "fla-native" else args.impl)
-                fn = lambda: op(**local, cu_seqlens=cu)  # noqa: E731
+                fn = lambda: plain(**local, cu_seqlens=cu)  # noqa: E731
             else:
                 ctx = build_cp_context(cu, dist.group.WORLD, scan=args.scan)
                 fla_ctx = None
@@ -264,9 +265,7 @@ def _scaling(args, variant: str, rank: int, world_size: int, device) -> list[dic
                 times = _time(fn, device, args.warmup, args.reps)
                 local_times = []
                 if world_size > 1:  # every rank's plain forward on its piece, no CP: the compute floor
-                    op = local_op(variant, "fla" if args.impl == "fla-native" else args.impl)
-                    cu_local = torch.tensor([0, local_T], device=device, dtype=torch.int32)
-                    local_times = sorted(_time(lambda: op(**local, cu_seqlens=cu_local), device, 1, args.reps))
+                    local_times = sorted(_time(lambda: plain(**local, cu_seqlens=cu_local), device, 1, args.reps))
         except torch.cuda.OutOfMemoryError as exc:  # a size that does not fit is a result, not a crash
             times, local_times, note = [], [], f"out of memory: {str(exc).splitlines()[0]}"
         local = None  # free the piece before the next size

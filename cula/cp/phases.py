@@ -33,7 +33,7 @@ def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
 
 
 def lightning_phases(T: int, H: int, D: int, reps: int) -> dict[str, float]:
-    from cula.cp.lightning import _add_carried
+    from cula.cp._local import add_state_product
     from cula.cp.multigpu import make_inputs
     from cula.lightning import lightning_attn_fwd
 
@@ -48,12 +48,12 @@ def lightning_phases(T: int, H: int, D: int, reps: int) -> dict[str, float]:
         "forward": _median_ms(lambda: lightning_attn_fwd(**x, cu_seqlens=cu), reps),
         "forward, final state": _median_ms(lambda: lightning_attn_fwd(**x, cu_seqlens=cu, output_final_state=True),
                                            reps),
-        "correction o + w q h0": _median_ms(lambda: _add_carried(o, x["q"][0], weight, h0), reps),
+        "correction o + w q h0": _median_ms(lambda: add_state_product(o, x["q"][0], h0, weight), reps),
     }
 
 
 def kda_phases(T: int, H: int, D: int, reps: int) -> dict[str, float]:
-    from cula.cp.kda import _add_carried
+    from cula.cp._local import add_state_product
     from cula.cp.multigpu import make_inputs
     from cula.kernels.sm90.kda_fwd import kda_fwd
 
@@ -64,7 +64,7 @@ def kda_phases(T: int, H: int, D: int, reps: int) -> dict[str, float]:
     o, _, o_id, _ = kda_fwd(**x, cu_seqlens=cu, output_final_state=True, identity_response=True)
 
     def correct():
-        return _add_carried(o, o_id, h0)
+        return add_state_product(o, o_id[0], h0)
 
     return {
         "forward": _median_ms(lambda: kda_fwd(**x, cu_seqlens=cu), reps),

@@ -489,8 +489,7 @@ def kda_fwd(
     dev = q.device
     TT = B * T
     scale = K ** -0.5 if scale is None else float(scale)
-    qf, kf, vf, gf, bf = (x.contiguous() for x in _flatten(q, k, v, g, beta))
-    if _too_big(TT, HV, cu_seqlens, B):
+    if _too_big(TT, HV, cu_seqlens, B):  # before the dense copies below: each piece makes its own
         return _fwd_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                               identity_response, return_scratch, stages,
                               dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -498,6 +497,7 @@ def kda_fwd(
                                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                                    allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
                                    state_v_first=state_v_first))
+    qf, kf, vf, gf, bf = (x.contiguous() for x in _flatten(q, k, v, g, beta))
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     # every token belongs to one sequence (cu_seqlens[-1] == B*T is validated): o is fully written
     o = torch.empty(TT, HV, V, dtype=v.dtype, device=dev)
