@@ -106,6 +106,14 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: 2.29x -> 2.39x). Session 6's TMA bulk prefetch of the same rows was 1-12% slower (the per-thread form
 #: also won over the bulk one in stage 2, session 8). ``CULA_KDA_TC_PREFETCH`` sets it for A/B runs.
 PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
+#: Make the B operands of w = T' X and u = T' v only after the inverse (``CULA_KDA_TC_LATE_XV=1``): X leaves
+#: phase 2 for global memory (into w's own scratch rows, which w overwrites later) and both tiles come back
+#: by TMA into the operand tiles of phase 3 once the inverse is done with them; v is never loaded by the
+#: threads. Shared memory drops from ~103 KB to ~70 KB, which is what a third CTA per SM needs
+#: (``CULA_KDA_TC_CTAS=3``: the launch bound then holds ptxas to 168 registers).
+LATE_XV = __import__("os").environ.get("CULA_KDA_TC_LATE_XV", "0") == "1"
+#: CTAs per SM the launch asks for: 2 (the default kernel's shared memory allows no more), 3 with LATE_XV.
+CTAS = int(__import__("os").environ.get("CULA_KDA_TC_CTAS", str(CTAS_PER_SM)))
 SPLIT_PASSES = ((0, 0), (0, 1), (1, 0))  # (A part, B part) of each pass, 0 = hi, 1 = lo: lo·lo is dropped
 
 BF16 = cutlass.BFloat16
@@ -134,8 +142,14 @@ class KdaFwdIntraTC:
         pdl_trigger: str = "start",
         prefetch_ahead: int = PREFETCH_AHEAD,
         softplus_gate: bool = False,
+        late_xv: bool = False,
+        ctas_per_sm: int = CTAS_PER_SM,
     ):
         assert warpgroups in (1, 2), warpgroups
+        assert not (late_xv and warpgroups != 1), "late X / v tiles are written for one warpgroup"
+        assert ctas_per_sm == CTAS_PER_SM or late_xv, "more than 2 CTAs per SM needs late_xv's shared memory"
+        self.late_xv = late_xv
+        self.ctas_per_sm = ctas_per_sm
         # False: the lower-bounded sigmoid gate lb * sigmoid(exp(A_log) (x + dt_bias)); True: the softplus
         # gate, clamped at the runtime lower_bound (SOFTPLUS_FLOOR)
         self.softplus_gate = softplus_gate
@@ -211,6 +225,13 @@ class KdaFwdIntraTC:
         tma_w, tW = cpasync.make_tiled_tma_atom(s2g, mW, w_one, (CHUNK, DK))
         tma_u, tU = cpasync.make_tiled_tma_atom(s2g, mU, w_one, (CHUNK, DV))
         tma_aqk, tAqk = cpasync.make_tiled_tma_atom(s2g, mAqk, aqk_one, (CHUNK, CHUNK))
+        # late_xv: X back from w's scratch rows and v from the input, both (d, token) with d contiguous
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        x_one = cute.slice_(self.x_layout, (None, None, 0))
+        mXg = cute.make_tensor(pW, cute.make_layout((DK, R, HV), stride=(1, DK, R * DK)))
+        mVg = cute.make_tensor(pV, cute.make_layout((DV, total_tokens, HV), stride=(1, HV * DV, DV)))
+        tma_xl, tXl = cpasync.make_tiled_tma_atom(g2s, mXg, x_one, (DK, CHUNK))
+        tma_vl, tVl = cpasync.make_tiled_tma_atom(g2s, mVg, x_one, (DV, CHUNK))
 
         kmode = warpgroup.OperandMajorMode.K
         mnmode = warpgroup.OperandMajorMode.MN
@@ -222,29 +243,32 @@ class KdaFwdIntraTC:
         # w = T' X and u = T' v: A = T' (smem), B = X / v with d contiguous             [64 i, 128 d]
         mma_wu = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, mnmode, F32, (1, 1, 1), (CHUNK, DK))
 
-        @cute.struct
-        class SharedStorage:
-            sKa: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
-            sQa: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
-            sKt: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
-            sKh: cute.struct.Align[cute.struct.MemRange[BF16, (NBLK - 1) * SUB * DK], 1024]
-            sX: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DV], 1024]
-            sTot: cute.struct.Align[cute.struct.MemRange[F32, (self.groups + 1) * DK], 16]
-            sFirst: cute.struct.Align[cute.struct.MemRange[F32, NBLK * DK], 16]
-            sC: cute.struct.Align[cute.struct.MemRange[F32, len(PAIRS) * DK], 16]
-            sBeta: cute.struct.Align[cute.struct.MemRange[F32, CHUNK], 16]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self.storage_class()
         self.kernel(
-            pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam,
-            tma_w, tW, tma_u, tU, tma_aqk, tAqk,
+            pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pW, pQG, pKGT, pGam,
+            tma_w, tW, tma_u, tU, tma_aqk, tAqk, tma_xl, tXl, tma_vl, tVl,
             mma_diag, mma_off, mma_wu,
             self.a_layout, self.kt_layout, self.kh_layout, self.x_layout, self.tb_layout,
             self.w_layout, self.aqk_layout,
             num_heads, HV, NC, scale, lower_bound,
         ).launch(grid=[NC, HV, 1], block=[self.threads, 1, 1], stream=stream,
-                 smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=CTAS_PER_SM)
+                 smem=self.shared_storage.size_in_bytes(), min_blocks_per_mp=self.ctas_per_sm)
+
+    def storage_class(self):
+        """The kernel's shared memory (see the smem budget in kda_fwd.md); with ``late_xv`` the X and v
+        tiles live in the Ka and K̃ tiles (after the inverse) and one mbarrier counts their TMA bytes.
+        (Built from a dict: this module's annotations are strings, which ``cute.struct`` cannot read.)"""
+        ms = cute.struct.MemRange
+        al = cute.struct.Align
+        fields = dict(sKa=al[ms[BF16, CHUNK * DK], 1024], sQa=al[ms[BF16, CHUNK * DK], 1024],
+                      sKt=al[ms[BF16, CHUNK * DK], 1024], sKh=al[ms[BF16, (NBLK - 1) * SUB * DK], 1024])
+        if not self.late_xv:
+            fields.update(sX=al[ms[BF16, CHUNK * DK], 1024], sV=al[ms[BF16, CHUNK * DV], 1024])
+        fields.update(sTot=al[ms[F32, (self.groups + 1) * DK], 16], sFirst=al[ms[F32, NBLK * DK], 16],
+                      sC=al[ms[F32, len(PAIRS) * DK], 16], sBeta=al[ms[F32, CHUNK], 16])
+        if self.late_xv:
+            fields.update(sBar=al[ms[cutlass.Int64, 1], 8])
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ---------------------------------------------------------------------------- device side --
     @cute.kernel
@@ -258,6 +282,7 @@ class KdaFwdIntraTC:
         pALog: cute.Pointer,
         pDtBias: cute.Pointer,
         pChunks: cute.Pointer,
+        pW: cute.Pointer,
         pQG: cute.Pointer,
         pKGT: cute.Pointer,
         pGam: cute.Pointer,
@@ -267,6 +292,10 @@ class KdaFwdIntraTC:
         tU: cute.Tensor,
         tma_aqk: cute.CopyAtom,
         tAqk: cute.Tensor,
+        tma_xl: cute.CopyAtom,
+        tXl: cute.Tensor,
+        tma_vl: cute.CopyAtom,
+        tVl: cute.Tensor,
         mma_diag: cute.TiledMma,
         mma_off: cute.TiledMma,
         mma_wu: cute.TiledMma,
@@ -290,8 +319,8 @@ class KdaFwdIntraTC:
         chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
         if chunks[chunk, 1] > 0:
             self.chunk_body(
-                pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW,
-                tma_u, tU, tma_aqk, tAqk, mma_diag, mma_off, mma_wu, a_layout, kt_layout,
+                pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pW, pQG, pKGT, pGam, tma_w, tW,
+                tma_u, tU, tma_aqk, tAqk, tma_xl, tXl, tma_vl, tVl, mma_diag, mma_off, mma_wu, a_layout, kt_layout,
                 kh_layout, x_layout, tb_layout, w_layout, aqk_layout, H, HV, NC, scale,
                 lower_bound,
             )
@@ -366,6 +395,7 @@ class KdaFwdIntraTC:
         pALog: cute.Pointer,
         pDtBias: cute.Pointer,
         pChunks: cute.Pointer,
+        pW: cute.Pointer,
         pQG: cute.Pointer,
         pKGT: cute.Pointer,
         pGam: cute.Pointer,
@@ -375,6 +405,10 @@ class KdaFwdIntraTC:
         tU: cute.Tensor,
         tma_aqk: cute.CopyAtom,
         tAqk: cute.Tensor,
+        tma_xl: cute.CopyAtom,
+        tXl: cute.Tensor,
+        tma_vl: cute.CopyAtom,
+        tVl: cute.Tensor,
         mma_diag: cute.TiledMma,
         mma_off: cute.TiledMma,
         mma_wu: cute.TiledMma,
@@ -420,8 +454,20 @@ class KdaFwdIntraTC:
         sQa = st.sQa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sKt = st.sKt.get_tensor(kt_layout.outer, swizzle=kt_layout.inner)
         sKh = st.sKh.get_tensor(kh_layout.outer, swizzle=kh_layout.inner)
-        sX = st.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
-        sV = st.sV.get_tensor(x_layout.outer, swizzle=x_layout.inner)
+        if cutlass.const_expr(self.late_xv):
+            # X and v arrive by TMA into the Ka and K̃ tiles once the inverse is done with them (sA lives in
+            # Ka's, sT in K̃'s); one mbarrier counts both copies' bytes
+            x_raw = st.sKa.data_ptr()
+            v_raw = st.sKt.data_ptr()
+            bar = st.sBar.data_ptr()
+            if tidx == 0:
+                cute.arch.mbarrier_init(bar, 1)
+                cute.arch.mbarrier_init_fence()
+        else:
+            x_raw = st.sX.data_ptr()
+            v_raw = st.sV.data_ptr()
+        sX = _tile(x_raw, x_layout)
+        sV = _tile(v_raw, x_layout)
         # group totals of g (phase 1), then their exclusive prefix by group plus the chunk total in row
         # groups (phase 2's column pass)
         sTot = st.sTot.get_tensor(cute.make_layout((self.groups + 1, DK), stride=(DK, 1)))
@@ -439,15 +485,13 @@ class KdaFwdIntraTC:
         tb_raw = st.sQa.data_ptr() + CHUNK * DK // 2  # 8 KB into sQa: 1024-byte aligned
         sTb = _tile(tb_raw, tb_layout)
         sAqk = _tile(st.sKh.data_ptr() + 2 * 1024, aqk_layout)
-        sWst = st.sX.get_tensor(w_layout.outer, swizzle=w_layout.inner)
-        sUst = st.sV.get_tensor(w_layout.outer, swizzle=w_layout.inner)
+        sWst = _tile(x_raw, w_layout)
+        sUst = _tile(v_raw, w_layout)
         # unswizzled tile starts, for the 16-byte vector accesses of the pointwise phases
         ka_raw = st.sKa.data_ptr()
         qa_raw = st.sQa.data_ptr()
         kt_raw = st.sKt.data_ptr()
         kh_raw = st.sKh.data_ptr()
-        x_raw = st.sX.data_ptr()
-        v_raw = st.sV.data_ptr()
 
         # ================================================================ phase 1: loads, gate, scan
         a_exp = F32(1.0)
@@ -479,7 +523,8 @@ class KdaFwdIntraTC:
             tok = tok0 + cutlass.min(r0 + rr, nvalid - 1)
             raw_q[rr, None].store(_vec(pQ, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
             raw_k[rr, None].store(_vec(pK, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
-            raw_v[rr, None].store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load())
+            if cutlass.const_expr(not self.late_xv):
+                raw_v[rr, None].store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load())
             raw_g[rr, None].store(_vec(pG, (tok * HV + hv) * DK + d0, COLS_PER_THREAD).load())
         if cutlass.const_expr(self.prefetch_ahead > 0):
             self.prefetch_later_chunk(pQ, pK, pV, pG, pChunks, tidx, chunk, hv, H, HV, NC)
@@ -508,7 +553,8 @@ class KdaFwdIntraTC:
             # raw q, k, v to their tiles (q and k are rewritten in place in phase 2)
             _st8(a_layout, qa_raw, (r, d0, 0), raw_q[rr, None])
             _st8(a_layout, ka_raw, (r, d0, 0), raw_k[rr, None])
-            _st8(x_layout, v_raw, (d0, r, 0), raw_v[rr, None])  # MN-major: (d, token)
+            if cutlass.const_expr(not self.late_xv):
+                _st8(x_layout, v_raw, (d0, r, 0), raw_v[rr, None])  # MN-major: (d, token)
             sq = F32(0.0)
             sk = F32(0.0)
             lb_keep = lb_log2 * keep
@@ -580,6 +626,7 @@ class KdaFwdIntraTC:
         rk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         kgt = cute.make_rmem_tensor(cute.make_layout((COLS_PER_THREAD, rpt), stride=(rpt, 1)), BF16)  # [c][rr]
         qg_head = pQG + (hv * R + row0) * DK
+        x_head = pW + (hv * R + row0) * DK  # late_xv: X parks in w's scratch rows until phase 5
         for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
             keep = F32(1.0)  # rows past the end: q̂ = k̂ = 0 (so Ka, Qa, K̃, K̂, X, qg, kg are zero)
@@ -623,7 +670,10 @@ class KdaFwdIntraTC:
                 obf.store(kh.load().to(BF16))
                 _st8(kh_layout, kh_raw, (r % SUB, d0, kblk), obf)
             obf.store(xx.load().to(BF16))
-            _st8(x_layout, x_raw, (d0, r, 0), obf)
+            if cutlass.const_expr(self.late_xv):
+                _vec(x_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
+            else:
+                _st8(x_layout, x_raw, (d0, r, 0), obf)
             obf.store(qg.load().to(BF16))
             _vec(qg_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
         # kgᵀ: this thread's 8 rows are 8 consecutive tokens of one column: one 16-byte store each
@@ -635,6 +685,8 @@ class KdaFwdIntraTC:
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
                 gam_out[c] = cute.math.exp2(run[c], fastmath=True)
             _vec(pGam, (hv * NC + chunk) * DK + d0, COLS_PER_THREAD).store(gam_out.load())
+        if cutlass.const_expr(self.late_xv):  # X's rows are read back by the TMA (the async proxy)
+            cute.arch.fence_proxy(cute.arch.ProxyKind.async_global)
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
 
@@ -748,6 +800,18 @@ class KdaFwdIntraTC:
 
         # ==================================================== phase 4: T = (I + Akk)^-1, fp32 SIMT
         self.invert(sA, sT, sY, warp, lane, tidx, tb_raw)
+        if cutlass.const_expr(self.late_xv):  # sA is read for the last time: X may land in its tile
+            cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+            cute.arch.sync_threads()
+            if warp == 0:
+                gX = cute.local_tile(tXl[None, None, hv], (DK, CHUNK), (0, None))
+                tXs, tXg = cpasync.tma_partition(tma_xl, 0, one, cute.group_modes(sX, 0, 2),
+                                                 cute.group_modes(gX, 0, 2))
+                if lane == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * CHUNK * (DK + DV))
+                # the whole warp: a TMA load elects its issuing lane itself (elect.sync over all 32 lanes;
+                # reached by lane 0 alone, it hung the first GPU run)
+                cute.copy(tma_xl, tXg[None, chunk], tXs[None, 0], tma_bar_ptr=bar)
         # T' = T diag(β) in bf16 (upper blocks zero): the A operand of w and u; each thread forms
         # 8-column pieces of one row
         tpr = self.threads // CHUNK  # threads per row
@@ -769,6 +833,8 @@ class KdaFwdIntraTC:
             _st8(tb_layout, tb_raw, (ti, j0, 0), obf)
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.late_xv):
+            self.late_v(tma_vl, tVl, sV, v_raw, x_layout, bar, tok0, nvalid, hv, warp, lane, tidx)
 
         # ====================================================== phase 5: w = T' X, u = T' v (wgmma)
         # one warpgroup forms both; with two, warpgroup 0 forms w = T' X and warpgroup 1 u = T' v (v's tile
@@ -812,6 +878,29 @@ class KdaFwdIntraTC:
                 cute.arch.cp_async_bulk_commit_group()
                 # shared memory must outlive the bulk copies' reads of it
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def late_v(self, tma_vl: cute.CopyAtom, tVl: cute.Tensor, sV: cute.Tensor, v_raw: cute.Pointer,
+               x_layout: cute.ComposedLayout, bar: cute.Pointer, tok0, nvalid, hv, warp, lane, tidx):
+        """``late_xv``: v's chunk by TMA into the K̃ tile (sT has just been read into T'), then wait for
+        it and X; rows past the chunk's end (the next sequence's tokens, or TMA's zeros past the tensor)
+        are zeroed, so that no other sequence's values (a NaN would survive T''s zero columns) reach u."""
+        if warp == 0:
+            gV = cute.flat_divide(cute.domain_offset((0, tok0, 0), tVl), (DV, CHUNK))  # (128, 64, 1, nT, HV)
+            tVs, tVg = cpasync.tma_partition(tma_vl, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                             cute.group_modes(gV, 0, 2))
+            cute.copy(tma_vl, tVg[None, 0, 0, hv], tVs[None, 0], tma_bar_ptr=bar)  # the whole warp (elects)
+        cute.arch.mbarrier_wait(bar, 0)
+        if nvalid < CHUNK:
+            zero = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
+            zero.fill(0.0)
+            for it in cutlass.range_constexpr(CHUNK * DV // COLS_PER_THREAD // THREADS):
+                piece = it * THREADS + tidx
+                r = piece // (DV // COLS_PER_THREAD)
+                if r >= nvalid:
+                    _st8(x_layout, v_raw, ((piece % (DV // COLS_PER_THREAD)) * COLS_PER_THREAD, r, 0), zero)
+            cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+        cute.arch.sync_threads()
 
     @cute.jit
     def invert(self, sA: cute.Tensor, sT: cute.Tensor, sY: cute.Tensor, warp, lane, tidx, b_raw: cute.Pointer):
@@ -1149,6 +1238,10 @@ def compile_targets():
         "pdl_end": build(cutlass.BFloat16, **full, pdl_trigger="end"),
         "softplus_gate": build(cutlass.BFloat16, **full, softplus_gate=True),
         "softplus_fp32_gate_gva": build(cutlass.Float32, **{**full, "group": 2}, softplus_gate=True),
+        "late_xv": build(cutlass.BFloat16, **full, late_xv=True),
+        "late_xv_3cta": build(cutlass.BFloat16, **full, late_xv=True, ctas_per_sm=3),
+        "late_xv_softplus_fp32_gate_gva": build(cutlass.Float32, **{**full, "group": 2}, softplus_gate=True,
+                                                late_xv=True, ctas_per_sm=3),
         "two_wg": build(cutlass.BFloat16, **full, warpgroups=2, inv_wgmma=False),
         "two_wg_fp32_gate_gva": build(cutlass.Float32, **{**full, "use_beta_sigmoid": False, "group": 2},
                                       warpgroups=2, inv_wgmma=False),
