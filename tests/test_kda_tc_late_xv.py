@@ -72,11 +72,11 @@ def test_late_ptx(target):
     if target == "intra_tc_late_xv":  # 2 CTAs per SM: as clean as the default
         assert rep.spill_bytes == 0 and rep.max_registers <= 255
     else:
-        # 3 CTAs per SM hold ptxas to 168 registers, which costs spills (656-776 bytes of local stores
+        # 3 CTAs per SM hold ptxas to 168 registers, which costs spills (520-532 bytes of local stores
         # and loads at this commit): this is the variant's open question for the GPU, so the bound
         # only catches a regression
         assert rep.max_registers <= 168
-        assert rep.spill_bytes <= 1024
+        assert rep.spill_bytes <= 768
 
 
 # ----------------------------------------------------------------------------------------- GPU

@@ -621,6 +621,12 @@ class KdaFwdIntraTC:
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             fh[c] = cute.math.exp2(eref[c] - cref[c], fastmath=True)
             fk[c] = cute.math.exp2(run[c] - eref[c], fastmath=True)
+        if cutlass.const_expr(self.late_xv):  # γ before the row loop: `run` is dead during it (registers)
+            if grp == 0:
+                gam_early = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+                for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                    gam_early[c] = cute.math.exp2(run[c], fastmath=True)
+                _vec(pGam, (hv * NC + chunk) * DK + d0, COLS_PER_THREAD).store(gam_early.load())
 
         rq = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         rk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
@@ -676,15 +682,22 @@ class KdaFwdIntraTC:
                 _st8(x_layout, x_raw, (d0, r, 0), obf)
             obf.store(qg.load().to(BF16))
             _vec(qg_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
-        # kgᵀ: this thread's 8 rows are 8 consecutive tokens of one column: one 16-byte store each
-        for c in cutlass.range_constexpr(COLS_PER_THREAD):
-            dst = _vec(pKGT, (hv * DK + d0 + c) * R + row0 + r0, rpt)
-            dst.store(kgt[c, None].load())
-        if grp == 0:
-            gam_out = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+            if cutlass.const_expr(self.late_xv and rr % 2 == 1):
+                # kgᵀ by pairs of tokens (4-byte stores): 8 live registers of it instead of 32
+                for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                    dst = _vec(pKGT, (hv * DK + d0 + c) * R + row0 + r - 1, 2)
+                    dst.store(_pair(kgt, c, rr - 1))
+        if cutlass.const_expr(not self.late_xv):
+            # kgᵀ: this thread's 8 rows are 8 consecutive tokens of one column: one 16-byte store each
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
-                gam_out[c] = cute.math.exp2(run[c], fastmath=True)
-            _vec(pGam, (hv * NC + chunk) * DK + d0, COLS_PER_THREAD).store(gam_out.load())
+                dst = _vec(pKGT, (hv * DK + d0 + c) * R + row0 + r0, rpt)
+                dst.store(kgt[c, None].load())
+        if cutlass.const_expr(not self.late_xv):
+            if grp == 0:
+                gam_out = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+                for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                    gam_out[c] = cute.math.exp2(run[c], fastmath=True)
+                _vec(pGam, (hv * NC + chunk) * DK + d0, COLS_PER_THREAD).store(gam_out.load())
         if cutlass.const_expr(self.late_xv):  # X's rows are read back by the TMA (the async proxy)
             cute.arch.fence_proxy(cute.arch.ProxyKind.async_global)
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
@@ -1152,6 +1165,15 @@ def _gemm_ss(mma: cute.TiledMma, acc: cute.Tensor, t_a: cute.Tensor, t_b: cute.T
 def _tile(raw: cute.Pointer, layout: cute.ComposedLayout) -> cute.Tensor:
     """The swizzled bf16 tile of ``layout`` at the unswizzled start ``raw``."""
     return cute.make_tensor(cute.recast_ptr(raw, swizzle_=layout.inner, dtype=BF16), layout.outer)
+
+
+@cute.jit
+def _pair(t: cute.Tensor, c, r):
+    """Elements (c, r) and (c, r + 1) of a register tile, as a 2-vector."""
+    out = cute.make_rmem_tensor(cute.make_layout(2), t.element_type)
+    out[0] = t[c, r]
+    out[1] = t[c, r + 1]
+    return out.load()
 
 
 @cute.jit
