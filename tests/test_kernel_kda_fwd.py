@@ -91,7 +91,6 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("recur_v2_state_smem", True), ("recur_v2_state_smem_v_first", True),
                                                ("recur_v2_state_smem_h0_only", True),
                                                ("recur_v2_state_smem_ht_only", True),
-                                               ("recur_v2_o_in_u", True), ("recur_v2_o_in_u_v_first", True),
                                                ("intra_tc", True),
                                                ("intra_tc_fp32_gate", True), ("intra_tc_plain_gva", True),
                                                ("intra_tc_scalar_offdiag", True), ("intra_tc_two_wg", True),
@@ -123,9 +122,7 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         assert rep.count("cp.async.bulk.tensor") == 8  # w, qg (two 128-byte boxes each), u, γ, kgᵀ, Aqk
         from cula.kernels.sm90.kda_fwd_recur import V2_H0_PREFETCH
 
-        smem_state = "state_smem" in target or "o_in_u" in target
-        if "o_in_u" in target:  # o leaves through the u tile, which the TMA then refills: a proxy fence
-            assert rep.has("fence.proxy.async")
+        smem_state = "state_smem" in target
         # the next item's state tile, 2 lines per thread (none without an initial state, nor where the
         # state moves through shared memory: there it is a cp.async of 16 pieces, at two call sites)
         pf = 2 if "no_state" not in target and V2_H0_PREFETCH and not smem_state else 0
@@ -205,11 +202,9 @@ def test_recur_v2_layout_facts():
     assert facts["warp_row_mismatches"] == 0 and facts["o_staging_exact_cover"]
     assert facts["u_read_conflicts"] == facts["o_write_conflicts"] == facts["o_read_conflicts"] == 0
     assert facts["swizzle_t64"] == "S<3,4,3>" and facts["u_tile_is_aqk_tile"]
-    # o staged in the u tile (o_in_u): 16-byte rows contiguous, no conflicts; the state buffer's fragment
-    # accesses: none K-first, 2-way V-first (64 extra wavefronts over the 64 values), padded or swizzled
-    assert facts["o_in_u_rows_contiguous"] and facts["o_in_u_read_conflicts"] == 0
-    assert facts["state_kf_padded_conflicts"] == facts["state_kf_swizzled_conflicts"] == 0
-    assert facts["state_vf_padded_conflicts"] <= 64 and facts["state_vf_swizzled_conflicts"] <= 64
+    # the state buffer's fragment accesses: none K-first, 2-way V-first (64 extra wavefronts over the 64 values)
+    assert facts["state_kf_padded_conflicts"] == 0
+    assert facts["state_vf_padded_conflicts"] <= 64
 
 
 def test_recur_state_smem_choice(monkeypatch):
@@ -231,21 +226,20 @@ def test_recur_state_smem_choice(monkeypatch):
 
 
 @pytest.mark.parametrize("v_first", [False, True], ids=["kfirst", "vfirst"])
-@pytest.mark.parametrize("o_in_u", [False, True], ids=["padded", "swizzled"])
-def test_recur_state_buffer_addressing(v_first, o_in_u):
+def test_recur_state_buffer_addressing(v_first):
     """The state buffer's element and 16-byte piece addressing agree: every element of a state tile has
     its own slot, and each thread's cp.async / copy-out piece carries 4 consecutive state elements to
     (from) the 4 slots state_offset gives them, 16-byte aligned; the pieces cover the tile once."""
     pytest.importorskip("cutlass")
     from cula.kernels.sm90 import kda_fwd_recur as kr
 
-    kern = kr.KdaFwdRecur(True, True, v_first, variant="v2", state_smem=True, o_in_u=o_in_u)
+    kern = kr.KdaFwdRecur(True, True, v_first, variant="v2", state_smem=True)
     DK, DV, BV = kr.DK, kr.DV, kr.BV
     slots = {}
     for vv in range(BV):
         for kk in range(DK):
             slots[(vv, kk)] = int(kern.state_offset(vv, kk))
-    assert len(set(slots.values())) == BV * DK and max(slots.values()) < kern.state_buf()
+    assert len(set(slots.values())) == BV * DK and max(slots.values()) < kr.STATE_BUF
     item, n_vt, n_hv = 5, DV // BV, 3  # head 2, V tile 1
     head, v0 = (item // (n_vt * n_hv)) * n_hv + (item // n_vt) % n_hv, (item % n_vt) * BV
     seen = set()
@@ -386,15 +380,13 @@ RECUR_CASES = ["T1", "T15-l2-gate", "T65-gva-vfirst", "T1000-all", "varlen-zero"
 @gpu
 @pytest.mark.parametrize("name", RECUR_CASES)
 @pytest.mark.parametrize("state", ["h0-ht", "h0", "ht", "none"])
-@pytest.mark.parametrize("state_smem,o_in_u", [(False, False), (True, False), (True, True)],
-                         ids=["state-regs", "state-smem", "state-smem-o-in-u"])
-def test_gpu_recur_v2_matches_v1(name, state, state_smem, o_in_u):
+@pytest.mark.parametrize("state_smem", [False, True], ids=["state-regs", "state-smem"])
+def test_gpu_recur_v2_matches_v1(name, state, state_smem):
     """Stage 2 alone, v2 against v1 on the same scratch (the exact emulation of stage 1 in the kernels'
     dtypes, so no stage-1 compile): the same products in the same order on the same bf16 values, so
     equal to fp32 rounding (expected bitwise); both within bf16 error of the fp64 recurrence on that
     scratch; v2 deterministic, and bitwise the same on a 3-CTA persistent grid. ``state``: which of the
-    initial / final state the call has; ``state_smem``: v2 moves the state through shared memory
-    (``o_in_u``: with three stages, o staged in the u tiles)."""
+    initial / final state the call has; ``state_smem``: v2 moves the state through shared memory."""
     from cula.kernels.sm90 import kda_fwd_check as chk
     from cula.kernels.sm90 import kda_fwd_recur as kr
 
@@ -411,7 +403,7 @@ def test_gpu_recur_v2_matches_v1(name, state, state_smem, o_in_u):
     h0 = kw["initial_state"] if state.startswith("h0") else None
     final = state.endswith("ht")
     v_first = kw.get("state_v_first", False)
-    ssm = dict(state_smem=state_smem, o_in_u=o_in_u)
+    ssm = dict(state_smem=state_smem)
     outs = {"v1": kr.run(scratch, chunks, seqs, B * T, h0, final, v_first, variant="v1"),
             "v2": kr.run(scratch, chunks, seqs, B * T, h0, final, v_first, variant="v2", **ssm)}
     again = kr.run(scratch, chunks, seqs, B * T, h0, final, v_first, variant="v2", **ssm)

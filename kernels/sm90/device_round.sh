@@ -45,11 +45,9 @@ for s in $steps; do
         step kda_check 130 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases tc-varlen-33,tc-varlen-zero,varlen-zero
         step kda_split 60 python3 -m cula.kernels.sm90.kda_fwd --check --split all ;;
-    next)  # the next session's plan (docs/DEVICE.md, session 12): the state buffer through dispatch (the checks
-        # the ssm step's timeout cut), then the opt-in o_in_u variant (tests, A/B splits); suites after, by hand
+    next)  # the state buffer through dispatch (docs/DEVICE.md: the checks session 12's ssm step's timeout cut)
         step ssm_check2 400 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
-            --cases varlen-33,tc-varlen-33,tc-varlen-zero,tc-T65-gva-vfirst
-        bash "$0" o_in_u ;;
+            --cases varlen-33,tc-varlen-33,tc-varlen-zero,tc-T65-gva-vfirst ;;
     ncu)  # stage 1's stall reasons by instruction (session 6): full set on one B1 T4096 launch (WG=2: two warpgroups)
         step ncu 200 env CULA_KDA_TC_WARPGROUPS=${WG:-1} ncu --clock-control none -k regex:intra_tc --launch-count 1 --set full \
             --import-source no -o "$OUT/intra_tc" python3 -m cula.kernels.sm90.kda_fwd_profile --stage intra
@@ -194,15 +192,6 @@ for s in $steps; do
         for a in 0 1 0 1; do
             step ssm_items$a 60 env CULA_KDA_RECUR_STATE_SMEM=$a python3 -m cula.kernels.sm90.kda_fwd --check \
                 --split items
-        done ;;
-    o_in_u)  # session 12 (CPU-compiled only): the state buffer with three stages, o staged in the u tiles
-        step oiu_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --maxfail=10 \
-            tests/test_kernel_kda_fwd.py -k gpu_recur_v2
-        for a in 0 1 0 1; do
-            step oiu_split$a 90 env CULA_KDA_RECUR_O_IN_U=$a python3 -m cula.kernels.sm90.kda_fwd --check \
-                --split worst
-            step oiu_items$a 90 env CULA_KDA_RECUR_O_IN_U=$a CULA_KDA_RECUR_STATE_SMEM=1 \
-                python3 -m cula.kernels.sm90.kda_fwd --check --split items
         done ;;
     late_xv)  # session 14 (hung on its first GPU run: TMA loads issued by one lane; fixed on the CPU): stage 1's
         # X and v after the inverse, 2 and 3 CTAs per SM. A new flag set compiles for ~30-60 s per process:

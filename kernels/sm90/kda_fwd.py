@@ -576,10 +576,8 @@ def kda_fwd(
         rflags = dict(has_initial_state=h_in is not None, output_final_state=h_out is not None,
                       state_v_first=v_first)
         ssm = variant == "v2" and recur.use_state_smem(N, NC, h_in is not None or h_out is not None)
-        o_in_u = ssm and recur.O_IN_U
-        _launcher("recur", (tuple(sorted(rflags.items())), o_dt, variant, pf, pdl, ssm, o_in_u),
-                  lambda: recur.KdaFwdRecur(**rflags, variant=variant, h0_prefetch=pf, pdl=pdl, state_smem=ssm,
-                                            o_in_u=o_in_u),
+        _launcher("recur", (tuple(sorted(rflags.items())), o_dt, variant, pf, pdl, ssm),
+                  lambda: recur.KdaFwdRecur(**rflags, variant=variant, h0_prefetch=pf, pdl=pdl, state_smem=ssm),
                   _recur_specs(o_dt))(
             w.data_ptr(), qg.data_ptr(), aqk.data_ptr(), kgt.data_ptr(), u_in.data_ptr(), gam.data_ptr(),
             chunks.data_ptr(), seqs.data_ptr(), o_out.data_ptr(), (h_in if h_in is not None else dummy).data_ptr(),

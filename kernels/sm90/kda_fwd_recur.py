@@ -87,12 +87,6 @@ V2_H0_PREFETCH_MAX_CHUNKS = 16
 #: +3%, B2 T16384 +4%. ``CULA_KDA_RECUR_STATE_SMEM=0|1`` overrides the choice for A/B runs.
 STATE_SMEM_MAX_CHUNKS = 7
 STATE_SMEM_ENV = __import__("os").environ.get("CULA_KDA_RECUR_STATE_SMEM")
-#: Opt-in (CPU-compiled only, session 12): the state buffer with all three stages. o then leaves through
-#: the u tile of the stage it was computed in (each thread writes its o values where it read its u values,
-#: the stage is released one chunk later), which frees the 12 KB of o staging; the buffer drops its row
-#: padding for an XOR swizzle of its 16-byte pieces (32 KB). ``CULA_KDA_RECUR_O_IN_U=1`` turns it on
-#: wherever the state buffer is used.
-O_IN_U = __import__("os").environ.get("CULA_KDA_RECUR_O_IN_U", "0") == "1"
 STATE_PITCH_KF = BV + 4  # K-first buffer [128 k][64 v] rows: 16-byte aligned, fragment reads conflict-free
 STATE_PITCH_VF = DK + 4  # V-first buffer [64 v][128 k] rows
 STATE_BUF = max(DK * STATE_PITCH_KF, BV * STATE_PITCH_VF)  # fp32 elements (34,816 B)
@@ -136,7 +130,7 @@ class KdaFwdRecur:
 
     def __init__(self, has_initial_state: bool, output_final_state: bool, state_v_first: bool,
                  variant: str | None = None, h0_prefetch: bool | None = None, pdl: bool | None = None,
-                 state_smem: bool = False, o_in_u: bool = False):
+                 state_smem: bool = False):
         self.has_h0 = has_initial_state
         self.pdl = PDL if pdl is None else pdl
         self.h0_prefetch = V2_H0_PREFETCH if h0_prefetch is None else h0_prefetch
@@ -148,8 +142,7 @@ class KdaFwdRecur:
         self.variant = variant
         # the state through shared memory (v2 only, and only when there is a state to move)
         self.state_smem = bool(state_smem and variant == "v2" and (has_initial_state or output_final_state))
-        self.o_in_u = bool(o_in_u and self.state_smem)
-        self.stages = 2 if self.state_smem and not self.o_in_u else V2_STAGES
+        self.stages = 2 if self.state_smem else V2_STAGES
 
     def _setup(self):
         """MMA atoms and smem layouts (needs the DSL's IR context: called inside __call__)."""
@@ -555,13 +548,10 @@ class KdaFwdRecur:
             sKGT: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.kgt2_layout)], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.t64_layout)], 1024]
             sGam: cute.struct.Align[cute.struct.MemRange[f32, cute.cosize(self.gam_layout)], 128]
-            sO: cute.struct.Align[cute.struct.MemRange[mO.element_type, 8 if self.o_in_u else V2_WARPS * V2_O_TILE],
-                                  128]
-            sH: cute.struct.Align[cute.struct.MemRange[f32, self.state_buf() if self.state_smem else 4], 128]
+            sO: cute.struct.Align[cute.struct.MemRange[mO.element_type, V2_WARPS * V2_O_TILE], 128]
+            sH: cute.struct.Align[cute.struct.MemRange[f32, STATE_BUF if self.state_smem else 4], 128]
 
         self.shared_storage_v2 = SharedStorageV2
-        if cutlass.const_expr(self.o_in_u):
-            assert mO.element_type.width == 16, "o staged in a bf16 u tile: o must be 16-bit"
         assert SharedStorageV2.size_in_bytes() <= SMEM_PER_BLOCK, "v2's stages do not fit one CTA"
         self.kernel_v2(
             tma_w, tW, tma_qg, tQG, tma_aqk, tAqk, tma_kgt, tKGT, tma_u, tU, tma_gam, tGam,
@@ -633,8 +623,7 @@ class KdaFwdRecur:
         sGam = storage.sGam.get_tensor(gam_layout)  # (k, 1, stage)
         # this warp's o staging tile [64 tok, 16 v] (a warp's accumulator rows are 16 v of the 64)
         sO_w = storage.sO.data_ptr() + warp_idx * V2_O_TILE
-        sU_raw = storage.sU.data_ptr()  # unswizzled start of the u tiles (o_in_u's 16-byte reads)
-        sH = storage.sH.get_tensor(cute.make_layout(self.state_buf() if self.state_smem else 4))  # the state buffer
+        sH = storage.sH.get_tensor(cute.make_layout(STATE_BUF if self.state_smem else 4))  # the state buffer
 
         if warp_idx == V2_TMA_WARP:
             # ============ TMA warp: each stage is refilled as soon as the math warps release it
@@ -752,13 +741,7 @@ class KdaFwdRecur:
                     # while they run: the previous chunk's o (from its bf16 copy: registers a wgmma wrote
                     # in the previous iteration make ptxas wait for the groups in flight), and u
                     if ci > 0:
-                        if cutlass.const_expr(self.o_in_u):
-                            prev = (st + self.stages - 1) % self.stages
-                            self.store_o_u(rO, thr64, sU_vt, sU_raw, prev, mO, hv, v0, warp_idx, tidx, bos, seq_end,
-                                           ci - 1, t64_layout)
-                            pipe.consumer_release(pipeline.PipelineState(self.stages, ci, prev, ci))
-                        else:
-                            self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, warp_idx, tidx, bos, seq_end, ci - 1)
+                        self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, warp_idx, tidx, bos, seq_end, ci - 1)
                     cute.copy(u_copy, thr64.partition_C(sU_vt[None, None, st]), rU)
                     warpgroup.wait_group(1)  # group 1 done
 
@@ -780,20 +763,13 @@ class KdaFwdRecur:
                         cute.gemm(mma_n64, acc_ot, rV[None, None, kb], rB_aqk[None, None, kb, st], acc_ot)
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
-                    if cutlass.const_expr(not self.o_in_u):  # with o in the u tile: once o has left it
-                        pipe.consumer_release(cons)
+                    pipe.consumer_release(cons)
                     cons.advance()
                     rS_c.store(acc_s.load().to(bf16))  # the next chunk's A operand
                     rO.store(acc_ot.load().to(mO.element_type))
 
                 if n_chunks > 0:
-                    if cutlass.const_expr(self.o_in_u):
-                        prev = (cons.index + self.stages - 1) % self.stages
-                        self.store_o_u(rO, thr64, sU_vt, sU_raw, prev, mO, hv, v0, warp_idx, tidx, bos, seq_end,
-                                       n_chunks - 1, t64_layout)
-                        pipe.consumer_release(pipeline.PipelineState(self.stages, n_chunks, prev, n_chunks))
-                    else:
-                        self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, warp_idx, tidx, bos, seq_end, n_chunks - 1)
+                    self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, warp_idx, tidx, bos, seq_end, n_chunks - 1)
 
                 if cutlass.const_expr(self.store_ht and not self.state_smem):
                     self.store_state(acc_s, cS, mHT, seq, hv, v0)
@@ -808,18 +784,8 @@ class KdaFwdRecur:
                 cute.arch.barrier(barrier_id=STATE_BARRIER, number_of_threads=V2_MATH_THREADS)
                 self.state_out(sH, mHT, last, n_vt, n_hv, tidx)
 
-    def state_buf(self) -> int:
-        """fp32 elements of the state buffer: padded rows, or a whole tile with ``o_in_u``'s swizzle."""
-        return BV * DK if self.o_in_u else STATE_BUF
-
     def state_offset(self, vv, kk):
-        """Where the state element (v, k) of a tile sits in the buffer: padded rows (see STATE_PITCH_*), or
-        with ``o_in_u`` unpadded rows whose 16-byte pieces are XOR-swizzled by the row (mod 8), which keeps
-        the fragment's accesses conflict-free K-first (≤ 2-way V-first) in 32 KB."""
-        if cutlass.const_expr(self.o_in_u):
-            if cutlass.const_expr(self.v_first):
-                return vv * DK + (((kk >> 2) ^ (vv & 7)) << 2) + (kk & 3)
-            return kk * BV + (((vv >> 2) ^ (kk & 7)) << 2) + (vv & 3)
+        """Where the state element (v, k) of a tile sits in the buffer (padded rows: see STATE_PITCH_*)."""
         if cutlass.const_expr(self.v_first):
             return vv * STATE_PITCH_VF + kk
         return kk * STATE_PITCH_KF + vv
@@ -832,11 +798,9 @@ class KdaFwdRecur:
         c = tidx + V2_MATH_THREADS * m
         if cutlass.const_expr(self.v_first):
             r, p = c // (DK // 4), c % (DK // 4)
-            so = r * DK + 4 * (p ^ (r & 7)) if cutlass.const_expr(self.o_in_u) else r * STATE_PITCH_VF + 4 * p
-            return so, head * (DK * DV) + (v0 + r) * DK + 4 * p
+            return r * STATE_PITCH_VF + 4 * p, head * (DK * DV) + (v0 + r) * DK + 4 * p
         r, p = c // (BV // 4), c % (BV // 4)
-        so = r * BV + 4 * (p ^ (r & 7)) if cutlass.const_expr(self.o_in_u) else r * STATE_PITCH_KF + 4 * p
-        return so, head * (DK * DV) + r * DV + v0 + 4 * p
+        return r * STATE_PITCH_KF + 4 * p, head * (DK * DV) + r * DV + v0 + 4 * p
 
     @cute.jit
     def state_in_async(self, mH0: cute.Tensor, sH: cute.Tensor, item, n_vt, n_hv, tidx):
@@ -901,33 +865,6 @@ class KdaFwdRecur:
         prefetch_line_l2(mH0.iterator + first + per_line)
 
     @cute.jit
-    def store_o_u(self, rO, thr64, sU_vt, sU_raw, stage, mO, hv, v0, warp, tidx, bos, seq_end, ci, t64_layout):
-        """``o_in_u``: oᵀ of chunk ``ci`` (its bf16 copy) -> the u tile of ``stage`` (the stage it was
-        computed in, not yet released), each thread writing where it read its u values, so a warp touches
-        only its own 16 v columns; then 16-byte rows out as ``store_o_v2`` does, and a proxy fence: the
-        TMA refills the tile once the caller releases the stage."""
-        tok0 = bos + ci * CHUNK
-        nvalid = cutlass.min(seq_end - tok0, CHUNK)
-        cute.copy(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16), rO,
-                  thr64.partition_C(sU_vt[None, None, stage]))
-        cute.arch.sync_warp()
-        lane = tidx % 32
-        half = lane // 16
-        base = cute.recast_ptr(sU_raw, dtype=cutlass.Uint8)
-        for j in cutlass.range_constexpr(V2_O_VECS):
-            tt = lane % 16 + 16 * j
-            if tt < nvalid:
-                byte = 2 * cute.crd2idx((tt, warp * V2_O_ROWS + half * 8, stage), t64_layout.outer)
-                byte = byte ^ (((byte >> 7) & 7) << 4)  # the tile's S<3,4,3> swizzle on byte offsets
-                src = cute.make_tensor(cute.recast_ptr(base + cute.assume(byte, divby=16), dtype=mO.element_type),
-                                       cute.make_layout(8))
-                dst_off = cute.crd2idx((tok0 + tt, hv, v0 + warp * V2_O_ROWS + half * 8), mO.layout)
-                dst = cute.make_tensor(mO.iterator + cute.assume(dst_off, divby=8), cute.make_layout(8))
-                dst.store(src.load())
-        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-        cute.arch.sync_warp()
-
-    @cute.jit
     def store_o_v2(self, rO, cN, tOs, sO_w, mO, hv, v0, warp, tidx, bos, seq_end, ci):
         """oᵀ of chunk ``ci`` (its copy in o's dtype) -> o rows: through this warp's smem tile [64 tok, 16 v], then 16-byte
         stores (lanes 0-15 and 16-31 write the two halves of 16 consecutive token rows: whole 32-byte
@@ -982,8 +919,6 @@ def compile_targets():
     targets["v2_state_smem_v_first"] = build(**{**full, "state_v_first": True}, variant="v2", state_smem=True)
     targets["v2_state_smem_h0_only"] = build(**{**full, "output_final_state": False}, variant="v2", state_smem=True)
     targets["v2_state_smem_ht_only"] = build(**{**full, "has_initial_state": False}, variant="v2", state_smem=True)
-    targets["v2_o_in_u"] = build(**full, variant="v2", state_smem=True, o_in_u=True)
-    targets["v2_o_in_u_v_first"] = build(**{**full, "state_v_first": True}, variant="v2", state_smem=True, o_in_u=True)
     return targets
 
 
@@ -1070,34 +1005,20 @@ def layout_facts() -> dict:
         facts["o_read_conflicts"] = sum(
             _bank_conflicts([2 * ((lane % 16 + 16 * j) * V2_O_PITCH + 8 * (lane // 16)) for lane in range(32)], 16)
             for j in range(V2_O_VECS))
-        # o_in_u: a warp's 16-byte o reads from the u tile (8 v of one token row each) are contiguous in
-        # the swizzled tile and free of bank conflicts
-        contiguous = True
-        reads = []
-        for j in range(V2_O_VECS):
-            for lane in range(32):
-                tt, v = lane % 16 + 16 * j, 8 * (lane // 16)
-                start = _swizzle_128b(2 * int(cute.crd2idx((tt, v, 0), t64.outer)))
-                contiguous &= all(_swizzle_128b(2 * int(cute.crd2idx((tt, v + e, 0), t64.outer))) == start + 2 * e
-                                  for e in range(8))
-                reads.append(start)
-        facts["o_in_u_rows_contiguous"] = contiguous
-        facts["o_in_u_read_conflicts"] = sum(_bank_conflicts(reads[32 * j:32 * j + 32], 16) for j in range(V2_O_VECS))
-        # the state buffer: every fragment access of warp 0 (4-byte, value by value), per layout and mode
+        # the state buffer: every fragment access of warp 0 (4-byte, value by value), per layout
         c_s = rs_n128.get_slice(0).partition_C(cute.make_identity_tensor((BV, DK)))
         for v_first in (False, True):
-            for o_in_u in (False, True):
-                kern = KdaFwdRecur(True, True, v_first, variant="v2", state_smem=True, o_in_u=o_in_u)
-                extra = 0
-                for i in range(cute.size(c_s)):
-                    addrs = []
-                    for t in range(32):
-                        crd = rs_n128.get_slice(t).partition_C(cute.make_identity_tensor((BV, DK)))
-                        base = tuple(int(x) for x in crd.iterator)
-                        vv, kk = (b + x for b, x in zip(base, coord(i, crd.layout)))
-                        addrs.append(4 * int(kern.state_offset(vv, kk)))
-                    extra += _bank_conflicts(addrs, 4)
-                facts[f"state_{'vf' if v_first else 'kf'}_{'swizzled' if o_in_u else 'padded'}_conflicts"] = extra
+            kern = KdaFwdRecur(True, True, v_first, variant="v2", state_smem=True)
+            extra = 0
+            for i in range(cute.size(c_s)):
+                addrs = []
+                for t in range(32):
+                    crd = rs_n128.get_slice(t).partition_C(cute.make_identity_tensor((BV, DK)))
+                    base = tuple(int(x) for x in crd.iterator)
+                    vv, kk = (b + x for b, x in zip(base, coord(i, crd.layout)))
+                    addrs.append(4 * int(kern.state_offset(vv, kk)))
+                extra += _bank_conflicts(addrs, 4)
+            facts[f"state_{'vf' if v_first else 'kf'}_padded_conflicts"] = extra
         facts["swizzle_t64"] = str(t64.inner)
         facts["u_tile_is_aqk_tile"] = str(t64) == str(
             sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (BV, CHUNK, BV), bf16, 1))
@@ -1112,22 +1033,21 @@ def layout_facts() -> dict:
 # ------------------------------------------------------------------------------------------------
 def run(scratch: dict, chunks, seqs, total_tokens: int, initial_state=None, output_final_state: bool = True,
         state_v_first: bool = False, variant: str | None = None, o_dtype=None, max_ctas: int | None = None,
-        state_smem: bool = False, o_in_u: bool = False):
+        state_smem: bool = False):
     """Launch only the recurrence (``variant``: ``VARIANTS``, default ``RECUR_VARIANT``) on a stage-1
     scratch in the kernels' dtypes (w, qg, aqk, kgt, u bf16; gam fp32) and chunk tables on the GPU.
     ``max_ctas`` caps v2's persistent grid (default: one CTA per SM; tests use a few CTAs so each walks
-    many work items; ``state_smem``: v2 moves the state through shared memory, ``o_in_u`` with three stages
-    and o staged in the u tiles). Returns
+    many work items; ``state_smem``: v2 moves the state through shared memory). Returns
     ``(o [TT, HV, 128], final state or None)``."""
     launch, o, ht = prepare(scratch, chunks, seqs, total_tokens, initial_state, output_final_state,
-                            state_v_first, variant, o_dtype, max_ctas, state_smem, o_in_u)
+                            state_v_first, variant, o_dtype, max_ctas, state_smem)
     launch()
     return o, ht
 
 
 def prepare(scratch: dict, chunks, seqs, total_tokens: int, initial_state=None, output_final_state: bool = True,
             state_v_first: bool = False, variant: str | None = None, o_dtype=None, max_ctas: int | None = None,
-            state_smem: bool = False, o_in_u: bool = False):
+            state_smem: bool = False):
     """``run`` split in two: compiles (once per variant and flags, into ``kda_fwd``'s cache under its own
     key, so it never replaces what ``kda_fwd()`` launches) and returns ``(launch, o, final state or
     None)``; each ``launch()`` queues the kernel again on the same buffers (timing without host work)."""
@@ -1159,9 +1079,9 @@ def prepare(scratch: dict, chunks, seqs, total_tokens: int, initial_state=None, 
     args = (*(kf._ptr(t) for t in bufs), kf._ptr(tables[0], 8), kf._ptr(tables[1], 8),
             *(kf._ptr(t) for t in (o, h0, ht)), i32(total_tokens), i32(HV), i32(NC), i32(N),
             i32(max_ctas if max_ctas is not None else kf.sm_count(dev)), stream)
-    key = (f"recur_{variant}", (tuple(sorted(flags.items())), o_dt, bool(state_smem), bool(o_in_u)))
+    key = (f"recur_{variant}", (tuple(sorted(flags.items())), o_dt, bool(state_smem)))
     if key not in kf._COMPILED:
-        kern = KdaFwdRecur(**flags, variant=variant, state_smem=state_smem, o_in_u=o_in_u)
+        kern = KdaFwdRecur(**flags, variant=variant, state_smem=state_smem)
         kf._COMPILED[key] = cute.compile(kern, *fake_args(o_dt), make_fake_stream())
     fn = kf._COMPILED[key]
     keep = (bufs, tables, h0)  # the pointers alone do not keep this memory alive
