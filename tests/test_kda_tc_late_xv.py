@@ -72,11 +72,11 @@ def test_late_ptx(target):
     if target == "intra_tc_late_xv":  # 2 CTAs per SM: as clean as the default
         assert rep.spill_bytes == 0 and rep.max_registers <= 255
     else:
-        # 3 CTAs per SM hold ptxas to 168 registers, which costs spills (520-532 bytes of local stores
-        # and loads at this commit): this is the variant's open question for the GPU, so the bound
-        # only catches a regression
+        # 3 CTAs per SM hold ptxas to 168 registers; the late path forms the off-diagonal A rows of Akk and
+        # Aqk one product after the other to fit (16 bytes of spill stores + loads at this commit, 62 with
+        # the softplus gate on fp32 inputs; 520 before that split): the bound catches a regression
         assert rep.max_registers <= 168
-        assert rep.spill_bytes <= 768
+        assert rep.spill_bytes <= 96
 
 
 # ----------------------------------------------------------------------------------------- GPU

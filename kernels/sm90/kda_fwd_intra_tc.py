@@ -621,13 +621,6 @@ class KdaFwdIntraTC:
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             fh[c] = cute.math.exp2(eref[c] - cref[c], fastmath=True)
             fk[c] = cute.math.exp2(run[c] - eref[c], fastmath=True)
-        if cutlass.const_expr(self.late_xv):  # γ before the row loop: `run` is dead during it (registers)
-            if grp == 0:
-                gam_early = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
-                for c in cutlass.range_constexpr(COLS_PER_THREAD):
-                    gam_early[c] = cute.math.exp2(run[c], fastmath=True)
-                _vec(pGam, (hv * NC + chunk) * DK + d0, COLS_PER_THREAD).store(gam_early.load())
-
         rq = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         rk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         kgt = cute.make_rmem_tensor(cute.make_layout((COLS_PER_THREAD, rpt), stride=(rpt, 1)), BF16)  # [c][rr]
@@ -682,22 +675,15 @@ class KdaFwdIntraTC:
                 _st8(x_layout, x_raw, (d0, r, 0), obf)
             obf.store(qg.load().to(BF16))
             _vec(qg_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
-            if cutlass.const_expr(self.late_xv and rr % 2 == 1):
-                # kgᵀ by pairs of tokens (4-byte stores): 8 live registers of it instead of 32
-                for c in cutlass.range_constexpr(COLS_PER_THREAD):
-                    dst = _vec(pKGT, (hv * DK + d0 + c) * R + row0 + r - 1, 2)
-                    dst.store(_pair(kgt, c, rr - 1))
-        if cutlass.const_expr(not self.late_xv):
-            # kgᵀ: this thread's 8 rows are 8 consecutive tokens of one column: one 16-byte store each
+        # kgᵀ: this thread's 8 rows are 8 consecutive tokens of one column: one 16-byte store each
+        for c in cutlass.range_constexpr(COLS_PER_THREAD):
+            dst = _vec(pKGT, (hv * DK + d0 + c) * R + row0 + r0, rpt)
+            dst.store(kgt[c, None].load())
+        if grp == 0:
+            gam_out = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
-                dst = _vec(pKGT, (hv * DK + d0 + c) * R + row0 + r0, rpt)
-                dst.store(kgt[c, None].load())
-        if cutlass.const_expr(not self.late_xv):
-            if grp == 0:
-                gam_out = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
-                for c in cutlass.range_constexpr(COLS_PER_THREAD):
-                    gam_out[c] = cute.math.exp2(run[c], fastmath=True)
-                _vec(pGam, (hv * NC + chunk) * DK + d0, COLS_PER_THREAD).store(gam_out.load())
+                gam_out[c] = cute.math.exp2(run[c], fastmath=True)
+            _vec(pGam, (hv * NC + chunk) * DK + d0, COLS_PER_THREAD).store(gam_out.load())
         if cutlass.const_expr(self.late_xv):  # X's rows are read back by the TMA (the async proxy)
             cute.arch.fence_proxy(cute.arch.ProxyKind.async_global)
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
@@ -733,46 +719,52 @@ class KdaFwdIntraTC:
         for jb in cutlass.range_constexpr(NBLK - 1):
             for x in cutlass.range_constexpr(nprod):
                 acc_o[x].append(thr_o.make_fragment_C(thr_o.partition_shape_C((CHUNK, SUB))))
-        for jb in cutlass.range_constexpr(NBLK - 1):
-            # rows of warp I > J: Ka ⊙ 2^(C_I − E_J) = k̂ 2^(Γ − E_J) <= 1. Warps I <= J only take part
-            # in the warpgroup-wide wgmma: their rows of the product are never read, so they skip the
-            # build (half of this phase's work) and feed zeros.
-            rA = [cute.make_rmem_tensor(a_operand_layout(c128.layout), BF16) for _ in a_tiles]
-            if wl > jb:
-                p = pair_index(wl, jb)
-                rA_c = [cute.make_tensor(ra.iterator, c128.layout) for ra in rA]
-                # values e, e + 1 of a C fragment are columns d, d + 1 of one row: one 4-byte load each
-                two = [cute.make_rmem_tensor(cute.make_layout(2), BF16) for _ in a_tiles]
-                for e in cutlass.range_constexpr(0, cute.size(c128), 2):
-                    i, d = cA[e]
-                    off = cute.assume(_swizzled_offset(a_layout, (i, d, 0)), divby=2)
-                    for x in cutlass.range_constexpr(nprod):
-                        two[x].store(cute.make_tensor(a_raws[x] + off, cute.make_layout(2)).load())
-                    if cutlass.const_expr(self.packed_offdiag):
-                        fpair = cute.make_rmem_tensor(cute.make_layout(2), F32)
-                        fpair[0] = sC[p, d]
-                        fpair[1] = sC[p, d + 1]
-                        fb2 = fpair.load().to(BF16)
-                        scaled = [t.load() * fb2 for t in two]  # one mul.bf16x2 per pair of columns
-                        for h in cutlass.range_constexpr(2):
-                            for x in cutlass.range_constexpr(nprod):
-                                rA_c[x][e + h] = scaled[x][h]
-                    else:
-                        for h in cutlass.range_constexpr(2):
-                            f = sC[p, d + h]
-                            for x in cutlass.range_constexpr(nprod):
-                                rA_c[x][e + h] = (two[x][h].to(F32) * f).to(BF16)
-            else:
-                for x in cutlass.range_constexpr(nprod):
-                    rA[x].fill(0.0)
-            warpgroup.fence()
-            for x in cutlass.range_constexpr(nprod):
-                for kb in cutlass.range_constexpr(cute.size(rA[x], mode=[2])):
-                    mma_off.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(mma_off, acc_o[x][jb], rA[x][None, None, kb], tBkh[None, None, kb, jb], acc_o[x][jb])
-            warpgroup.commit_group()
-            # the next block's A values go to fresh registers only once these are read
-            warpgroup.wait_group(0)
+        # the products' A rows in registers: both at once (one wait per column block), or with late_xv one
+        # product after the other (32 registers of A rows instead of 64, against 3 CTAs' 168-register bound)
+        groups = [tuple(range(nprod))]
+        if cutlass.const_expr(self.late_xv):
+            groups = [(x,) for x in range(nprod)]
+        for group in groups:
+            for jb in cutlass.range_constexpr(NBLK - 1):
+                # rows of warp I > J: Ka ⊙ 2^(C_I − E_J) = k̂ 2^(Γ − E_J) <= 1. Warps I <= J only take part
+                # in the warpgroup-wide wgmma: their rows of the product are never read, so they skip the
+                # build (half of this phase's work) and feed zeros.
+                rA = {x: cute.make_rmem_tensor(a_operand_layout(c128.layout), BF16) for x in group}
+                if wl > jb:
+                    p = pair_index(wl, jb)
+                    rA_c = {x: cute.make_tensor(rA[x].iterator, c128.layout) for x in group}
+                    # values e, e + 1 of a C fragment are columns d, d + 1 of one row: one 4-byte load each
+                    two = {x: cute.make_rmem_tensor(cute.make_layout(2), BF16) for x in group}
+                    for e in cutlass.range_constexpr(0, cute.size(c128), 2):
+                        i, d = cA[e]
+                        off = cute.assume(_swizzled_offset(a_layout, (i, d, 0)), divby=2)
+                        for x in group:
+                            two[x].store(cute.make_tensor(a_raws[x] + off, cute.make_layout(2)).load())
+                        if cutlass.const_expr(self.packed_offdiag):
+                            fpair = cute.make_rmem_tensor(cute.make_layout(2), F32)
+                            fpair[0] = sC[p, d]
+                            fpair[1] = sC[p, d + 1]
+                            fb2 = fpair.load().to(BF16)
+                            scaled = {x: two[x].load() * fb2 for x in group}  # one mul.bf16x2 per pair of columns
+                            for h in cutlass.range_constexpr(2):
+                                for x in group:
+                                    rA_c[x][e + h] = scaled[x][h]
+                        else:
+                            for h in cutlass.range_constexpr(2):
+                                f = sC[p, d + h]
+                                for x in group:
+                                    rA_c[x][e + h] = (two[x][h].to(F32) * f).to(BF16)
+                else:
+                    for x in group:
+                        rA[x].fill(0.0)
+                warpgroup.fence()
+                for x in group:
+                    for kb in cutlass.range_constexpr(cute.size(rA[x], mode=[2])):
+                        mma_off.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                        cute.gemm(mma_off, acc_o[x][jb], rA[x][None, None, kb], tBkh[None, None, kb, jb], acc_o[x][jb])
+                warpgroup.commit_group()
+                # the next block's A values go to fresh registers only once these are read
+                warpgroup.wait_group(0)
         cute.arch.sync_threads()  # every warp is past its reads of the operand tiles: reuse them
 
         # ------------------------------------------------ combine: Akk β -> sA (fp32), Aqk -> staging
@@ -1165,15 +1157,6 @@ def _gemm_ss(mma: cute.TiledMma, acc: cute.Tensor, t_a: cute.Tensor, t_b: cute.T
 def _tile(raw: cute.Pointer, layout: cute.ComposedLayout) -> cute.Tensor:
     """The swizzled bf16 tile of ``layout`` at the unswizzled start ``raw``."""
     return cute.make_tensor(cute.recast_ptr(raw, swizzle_=layout.inner, dtype=BF16), layout.outer)
-
-
-@cute.jit
-def _pair(t: cute.Tensor, c, r):
-    """Elements (c, r) and (c, r + 1) of a register tile, as a 2-vector."""
-    out = cute.make_rmem_tensor(cute.make_layout(2), t.element_type)
-    out[0] = t[c, r]
-    out[1] = t[c, r + 1]
-    return out.load()
 
 
 @cute.jit
