@@ -225,13 +225,16 @@ class KdaFwdIntraTC:
         tma_w, tW = cpasync.make_tiled_tma_atom(s2g, mW, w_one, (CHUNK, DK))
         tma_u, tU = cpasync.make_tiled_tma_atom(s2g, mU, w_one, (CHUNK, DV))
         tma_aqk, tAqk = cpasync.make_tiled_tma_atom(s2g, mAqk, aqk_one, (CHUNK, CHUNK))
-        # late_xv: X back from w's scratch rows and v from the input, both (d, token) with d contiguous
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        x_one = cute.slice_(self.x_layout, (None, None, 0))
-        mXg = cute.make_tensor(pW, cute.make_layout((DK, R, HV), stride=(1, DK, R * DK)))
-        mVg = cute.make_tensor(pV, cute.make_layout((DV, total_tokens, HV), stride=(1, HV * DV, DV)))
-        tma_xl, tXl = cpasync.make_tiled_tma_atom(g2s, mXg, x_one, (DK, CHUNK))
-        tma_vl, tVl = cpasync.make_tiled_tma_atom(g2s, mVg, x_one, (DV, CHUNK))
+        # late_xv: X back from w's scratch rows and v from the input, both (d, token) with d contiguous;
+        # otherwise w's store atom stands in for both (unused: no host work for descriptors nobody reads)
+        tma_xl, tXl, tma_vl, tVl = tma_w, tW, tma_w, tW
+        if cutlass.const_expr(self.late_xv):
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            x_one = cute.slice_(self.x_layout, (None, None, 0))
+            mXg = cute.make_tensor(pW, cute.make_layout((DK, R, HV), stride=(1, DK, R * DK)))
+            mVg = cute.make_tensor(pV, cute.make_layout((DV, total_tokens, HV), stride=(1, HV * DV, DV)))
+            tma_xl, tXl = cpasync.make_tiled_tma_atom(g2s, mXg, x_one, (DK, CHUNK))
+            tma_vl, tVl = cpasync.make_tiled_tma_atom(g2s, mVg, x_one, (DV, CHUNK))
 
         kmode = warpgroup.OperandMajorMode.K
         mnmode = warpgroup.OperandMajorMode.MN
