@@ -23,7 +23,8 @@ The host sends other gates to ``kda_fwd_intra`` (exact for any gate).
 One warpgroup (128 threads) per CTA, two CTAs per SM (~104 KB of shared memory each). With
 ``WARPGROUPS = 2`` (opt-in; correct on the H200 but 15% slower, session 7) the same chunk runs on 256
 threads: phases 1-2 give each thread 4 rows, warpgroup 0 forms Akk and w, warpgroup 1 Aqk and u, and
-the inverse's products use all 256 threads (its 16x16 substitutions stay on warps 0-3). Phases:
+the inverse's products use all 256 threads (its 16x16 substitutions stay on warps 0-3). With ``LATE_XV``
+(opt-in, not yet measured) X and v skip shared memory until phase 5 (~70 KB, three CTAs per SM). Phases:
   1. loads (16-byte, coalesced): q, k, v, g of the chunk; thread t owns rows 8(t/16)..+7 and columns
      8(t%16)..+7, so a row's 16 owners are one half-warp (row norms by shuffles) and warp w owns
      16-row block w. Gate transform, in-thread cumsum down its 8 rows, group totals via smem.
