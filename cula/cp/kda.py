@@ -117,6 +117,11 @@ def _kernel_arguments(kernel, options: dict) -> dict:
     return {n: val for n, val in options.items() if n in names}
 
 
+def _needs_grad(tokens: dict, initial_state, call: _LocalCall) -> bool:
+    """Whether autograd runs through this call: any token tensor, the initial state or the gate parameters."""
+    return inputs_require_grad(*tokens.values(), initial_state, call.options.get("A_log"), call.options.get("dt_bias"))
+
+
 def _resolve_identity_columns(call: _LocalCall, tokens: dict, default_fn: bool, grad: bool) -> _LocalCall:
     """``auto``: the kernel's identity response when the SM90 kernel runs these inputs (default local op, no
     autograd), else ``appended``. ``kernel`` asked for explicitly must be runnable (with a ``local_fn`` it
@@ -285,13 +290,12 @@ def chunk_kda(
     _local.check_global_initial_state(initial_state, ctx)
     call = _local_call(local_fn, q, scale, state_v_first, identity_columns, kwargs, use_qk_l2norm_in_kernel,
                        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
-    options = call.options
     tokens = dict(q=q, k=k, v=v, g=g, beta=beta)
-    grad_inputs = (*tokens.values(), initial_state, options.get("A_log"), options.get("dt_bias"))
-    call = _resolve_identity_columns(call, tokens, local_fn is None, inputs_require_grad(*grad_inputs))
+    grad = _needs_grad(tokens, initial_state, call)
+    call = _resolve_identity_columns(call, tokens, local_fn is None, grad)
 
     results, m, b = _local_pass(tokens, initial_state, output_final_state, ctx, call)
-    h0, anchor = exclusive_scan(m, b, ctx, requires_grad=inputs_require_grad(*grad_inputs))
+    h0, anchor = exclusive_scan(m, b, ctx, requires_grad=grad)
     return _finish(results, h0, anchor, output_final_state, state_v_first)
 
 
@@ -354,8 +358,7 @@ def emulate_chunk_kda(
     batch, length = q.shape[0], q.shape[1]
     packed = cu_seqlens is None
     tokens = dict(q=q, k=k, v=v, g=g, beta=beta)
-    grad = inputs_require_grad(*tokens.values(), initial_state, call.options.get("A_log"), call.options.get("dt_bias"))
-    call = _resolve_identity_columns(call, tokens, local_fn is None, grad)
+    call = _resolve_identity_columns(call, tokens, local_fn is None, _needs_grad(tokens, initial_state, call))
     if packed:
         tokens = {name: _local.pack_batch(x) for name, x in tokens.items()}
         cu_seqlens = _local.uniform_cu_seqlens(batch, length, q.device)

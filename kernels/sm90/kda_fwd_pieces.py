@@ -39,7 +39,7 @@ def plan(cu_seqlens: list[int], num_heads_v: int, max_elements: int) -> list[Pie
     row_elems = num_heads_v * HEAD_DIM
     # rows + 64 per segment (the padded-scratch bound) must stay below max_elements / row_elems
     cap_rows = (max_elements - 1) // row_elems
-    max_segs = (max_elements - 1) // (num_heads_v * HEAD_DIM * HEAD_DIM)
+    max_segs = (max_elements - 1) // (row_elems * HEAD_DIM)  # the [N, HV, 128, 128] states' bound
     if cap_rows < 3 * CHUNK or max_segs < 1:
         raise ValueError(f"num_heads_v: {num_heads_v} heads leave no room for one chunk under the 32-bit "
                          f"offsets (max {max_elements} elements)")
