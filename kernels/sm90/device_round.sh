@@ -20,6 +20,7 @@ step() {  # step NAME TIMEOUT CMD...
     local rc=$?
     echo "== $name rc=$rc in $((SECONDS - s)) s (total $((SECONDS - start)) s)"
     grep -E "passed|failed|error|PASS|FAIL|EXCEPTION|split|correctness|config|eager|graph|\[scale\]" "$OUT/$name.log" | tail -n 25
+    return $rc
 }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 for s in $steps; do
@@ -196,7 +197,11 @@ for s in $steps; do
     late_xv)  # session 14 (hung on its first GPU run: TMA loads issued by one lane; fixed on the CPU): stage 1's
         # X and v after the inverse, 2 and 3 CTAs per SM. A new flag set compiles for ~30-60 s per process:
         # generous timeouts (the first run's 70 s split timeouts could not tell a hang from a compile)
-        step late_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --maxfail=3 tests/test_kda_tc_late_xv.py
+        # one 3-CTA case first, so a hang costs 150 s, not the whole call
+        step late_smoke 150 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf \
+            "tests/test_kda_tc_late_xv.py::test_gpu_late_xv_bitwise_default[tc-T1-3]" \
+            && step late_tests 400 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf --maxfail=3 \
+                tests/test_kda_tc_late_xv.py
         ;;
     late_split)  # after late_xv passed (its own call): A / B / C / A / B stage-1 splits, default vs late at 3 and 2
         for v in 0:2 1:3 1:2 0:2 1:3; do
