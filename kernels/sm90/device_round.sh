@@ -194,20 +194,6 @@ for s in $steps; do
             step ssm_items$a 60 env CULA_KDA_RECUR_STATE_SMEM=$a python3 -m cula.kernels.sm90.kda_fwd --check \
                 --split items
         done ;;
-    late_xv)  # session 14 (hung on its first GPU run: TMA loads issued by one lane; fixed on the CPU): stage 1's
-        # X and v after the inverse, 2 and 3 CTAs per SM. A new flag set compiles for ~30-60 s per process:
-        # generous timeouts (the first run's 70 s split timeouts could not tell a hang from a compile)
-        # one 3-CTA case first, so a hang costs 150 s, not the whole call
-        step late_smoke 150 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf \
-            "tests/test_kda_tc_late_xv.py::test_gpu_late_xv_bitwise_default[tc-T1-3]" \
-            && step late_tests 400 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf --maxfail=3 \
-                tests/test_kda_tc_late_xv.py
-        ;;
-    late_split)  # after late_xv passed (its own call): A / B / C / A / B stage-1 splits, default vs late at 3 and 2
-        for v in 0:2 1:3 1:2 0:2 1:3; do
-            step late_split_${v/:/_} 110 env CULA_KDA_TC_LATE_XV=${v%:*} CULA_KDA_TC_CTAS=${v#*:} \
-                python3 -m cula.kernels.sm90.kda_fwd --check --split worst
-        done ;;
     cp_gpu)  # session 13's CPU-only CP pieces (one GPU is enough): KDA in pieces bitwise, the CP emulation tests
         step kda_pieces 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_fwd_pieces.py
         step cp_gpu 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_cp_gpu.py ;;

@@ -554,8 +554,6 @@ def kda_fwd(
                         inv_wgmma=intra_tc.INV_WGMMA and intra_tc.WARPGROUPS == 1,
                         pdl_trigger=recur.PDL_TRIGGER if recur.PDL and recur.PDL_TRIGGER != "none" else "",
                         prefetch_ahead=intra_tc.PREFETCH_AHEAD, softplus_gate=softplus_tc)
-        if intra_tc.LATE_XV and intra_tc.WARPGROUPS == 1:  # opt-in (A/B runs): only set, so keys stay as before
-            tc_flags.update(late_xv=True, ctas_per_sm=intra_tc.CTAS)
         _launcher("intra_tc", (tuple(sorted(tc_flags.items())), dts), lambda: intra_tc.KdaFwdIntraTC(**tc_flags),
                   _intra_specs(*dts))(*intra_values)
     elif "intra" in stages:

@@ -23,8 +23,7 @@ The host sends other gates to ``kda_fwd_intra`` (exact for any gate).
 One warpgroup (128 threads) per CTA, two CTAs per SM (~104 KB of shared memory each). With
 ``WARPGROUPS = 2`` (opt-in; correct on the H200 but 15% slower, session 7) the same chunk runs on 256
 threads: phases 1-2 give each thread 4 rows, warpgroup 0 forms Akk and w, warpgroup 1 Aqk and u, and
-the inverse's products use all 256 threads (its 16x16 substitutions stay on warps 0-3). With ``LATE_XV``
-(opt-in, not yet measured) X and v skip shared memory until phase 5 (~70 KB, three CTAs per SM). Phases:
+the inverse's products use all 256 threads (its 16x16 substitutions stay on warps 0-3). Phases:
   1. loads (16-byte, coalesced): q, k, v, g of the chunk; thread t owns rows 8(t/16)..+7 and columns
      8(t%16)..+7, so a row's 16 owners are one half-warp (row norms by shuffles) and warp w owns
      16-row block w. Gate transform, in-thread cumsum down its 8 rows, group totals via smem.
@@ -107,14 +106,6 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: 2.29x -> 2.39x). Session 6's TMA bulk prefetch of the same rows was 1-12% slower (the per-thread form
 #: also won over the bulk one in stage 2, session 8). ``CULA_KDA_TC_PREFETCH`` sets it for A/B runs.
 PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
-#: Make the B operands of w = T' X and u = T' v only after the inverse (``CULA_KDA_TC_LATE_XV=1``): X leaves
-#: phase 2 for global memory (into w's own scratch rows, which w overwrites later) and both tiles come back
-#: by TMA into the operand tiles of phase 3 once the inverse is done with them; v is never loaded by the
-#: threads. Shared memory drops from ~103 KB to ~70 KB, which is what a third CTA per SM needs
-#: (``CULA_KDA_TC_CTAS=3``: the launch bound then holds ptxas to 168 registers).
-LATE_XV = __import__("os").environ.get("CULA_KDA_TC_LATE_XV", "0") == "1"
-#: CTAs per SM the launch asks for: 2 (the default kernel's shared memory allows no more), 3 with LATE_XV.
-CTAS = int(__import__("os").environ.get("CULA_KDA_TC_CTAS", str(CTAS_PER_SM)))
 SPLIT_PASSES = ((0, 0), (0, 1), (1, 0))  # (A part, B part) of each pass, 0 = hi, 1 = lo: lo·lo is dropped
 
 BF16 = cutlass.BFloat16
@@ -143,14 +134,8 @@ class KdaFwdIntraTC:
         pdl_trigger: str = "start",
         prefetch_ahead: int = PREFETCH_AHEAD,
         softplus_gate: bool = False,
-        late_xv: bool = False,
-        ctas_per_sm: int = CTAS_PER_SM,
     ):
         assert warpgroups in (1, 2), warpgroups
-        assert not (late_xv and warpgroups != 1), "late X / v tiles are written for one warpgroup"
-        assert ctas_per_sm == CTAS_PER_SM or late_xv, "more than 2 CTAs per SM needs late_xv's shared memory"
-        self.late_xv = late_xv
-        self.ctas_per_sm = ctas_per_sm
         # False: the lower-bounded sigmoid gate lb * sigmoid(exp(A_log) (x + dt_bias)); True: the softplus
         # gate, clamped at the runtime lower_bound (SOFTPLUS_FLOOR)
         self.softplus_gate = softplus_gate
@@ -226,16 +211,6 @@ class KdaFwdIntraTC:
         tma_w, tW = cpasync.make_tiled_tma_atom(s2g, mW, w_one, (CHUNK, DK))
         tma_u, tU = cpasync.make_tiled_tma_atom(s2g, mU, w_one, (CHUNK, DV))
         tma_aqk, tAqk = cpasync.make_tiled_tma_atom(s2g, mAqk, aqk_one, (CHUNK, CHUNK))
-        # late_xv: X back from w's scratch rows and v from the input, both (d, token) with d contiguous;
-        # otherwise w's store atom stands in for both (unused: no host work for descriptors nobody reads)
-        tma_xl, tXl, tma_vl, tVl = tma_w, tW, tma_w, tW
-        if cutlass.const_expr(self.late_xv):
-            g2s = cpasync.CopyBulkTensorTileG2SOp()
-            x_one = cute.slice_(self.x_layout, (None, None, 0))
-            mXg = cute.make_tensor(pW, cute.make_layout((DK, R, HV), stride=(1, DK, R * DK)))
-            mVg = cute.make_tensor(pV, cute.make_layout((DV, total_tokens, HV), stride=(1, HV * DV, DV)))
-            tma_xl, tXl = cpasync.make_tiled_tma_atom(g2s, mXg, x_one, (DK, CHUNK))
-            tma_vl, tVl = cpasync.make_tiled_tma_atom(g2s, mVg, x_one, (DV, CHUNK))
 
         kmode = warpgroup.OperandMajorMode.K
         mnmode = warpgroup.OperandMajorMode.MN
@@ -247,32 +222,29 @@ class KdaFwdIntraTC:
         # w = T' X and u = T' v: A = T' (smem), B = X / v with d contiguous             [64 i, 128 d]
         mma_wu = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, mnmode, F32, (1, 1, 1), (CHUNK, DK))
 
-        self.shared_storage = self.storage_class()
+        @cute.struct
+        class SharedStorage:
+            sKa: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
+            sQa: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
+            sKt: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
+            sKh: cute.struct.Align[cute.struct.MemRange[BF16, (NBLK - 1) * SUB * DK], 1024]
+            sX: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DV], 1024]
+            sTot: cute.struct.Align[cute.struct.MemRange[F32, (self.groups + 1) * DK], 16]
+            sFirst: cute.struct.Align[cute.struct.MemRange[F32, NBLK * DK], 16]
+            sC: cute.struct.Align[cute.struct.MemRange[F32, len(PAIRS) * DK], 16]
+            sBeta: cute.struct.Align[cute.struct.MemRange[F32, CHUNK], 16]
+
+        self.shared_storage = SharedStorage
         self.kernel(
-            pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pW, pQG, pKGT, pGam,
-            tma_w, tW, tma_u, tU, tma_aqk, tAqk, tma_xl, tXl, tma_vl, tVl,
+            pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam,
+            tma_w, tW, tma_u, tU, tma_aqk, tAqk,
             mma_diag, mma_off, mma_wu,
             self.a_layout, self.kt_layout, self.kh_layout, self.x_layout, self.tb_layout,
             self.w_layout, self.aqk_layout,
             num_heads, HV, NC, scale, lower_bound,
         ).launch(grid=[NC, HV, 1], block=[self.threads, 1, 1], stream=stream,
-                 smem=self.shared_storage.size_in_bytes(), min_blocks_per_mp=self.ctas_per_sm)
-
-    def storage_class(self):
-        """The kernel's shared memory (see the smem budget in kda_fwd.md); with ``late_xv`` the X and v
-        tiles live in the Ka and K̃ tiles (after the inverse) and one mbarrier counts their TMA bytes.
-        (Built from a dict: this module's annotations are strings, which ``cute.struct`` cannot read.)"""
-        ms = cute.struct.MemRange
-        al = cute.struct.Align
-        fields = dict(sKa=al[ms[BF16, CHUNK * DK], 1024], sQa=al[ms[BF16, CHUNK * DK], 1024],
-                      sKt=al[ms[BF16, CHUNK * DK], 1024], sKh=al[ms[BF16, (NBLK - 1) * SUB * DK], 1024])
-        if not self.late_xv:
-            fields.update(sX=al[ms[BF16, CHUNK * DK], 1024], sV=al[ms[BF16, CHUNK * DV], 1024])
-        fields.update(sTot=al[ms[F32, (self.groups + 1) * DK], 16], sFirst=al[ms[F32, NBLK * DK], 16],
-                      sC=al[ms[F32, len(PAIRS) * DK], 16], sBeta=al[ms[F32, CHUNK], 16])
-        if self.late_xv:
-            fields.update(sBar=al[ms[cutlass.Int64, 1], 8])
-        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+                 smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=CTAS_PER_SM)
 
     # ---------------------------------------------------------------------------- device side --
     @cute.kernel
@@ -286,7 +258,6 @@ class KdaFwdIntraTC:
         pALog: cute.Pointer,
         pDtBias: cute.Pointer,
         pChunks: cute.Pointer,
-        pW: cute.Pointer,
         pQG: cute.Pointer,
         pKGT: cute.Pointer,
         pGam: cute.Pointer,
@@ -296,10 +267,6 @@ class KdaFwdIntraTC:
         tU: cute.Tensor,
         tma_aqk: cute.CopyAtom,
         tAqk: cute.Tensor,
-        tma_xl: cute.CopyAtom,
-        tXl: cute.Tensor,
-        tma_vl: cute.CopyAtom,
-        tVl: cute.Tensor,
         mma_diag: cute.TiledMma,
         mma_off: cute.TiledMma,
         mma_wu: cute.TiledMma,
@@ -323,8 +290,8 @@ class KdaFwdIntraTC:
         chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
         if chunks[chunk, 1] > 0:
             self.chunk_body(
-                pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pW, pQG, pKGT, pGam, tma_w, tW,
-                tma_u, tU, tma_aqk, tAqk, tma_xl, tXl, tma_vl, tVl, mma_diag, mma_off, mma_wu, a_layout, kt_layout,
+                pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW,
+                tma_u, tU, tma_aqk, tAqk, mma_diag, mma_off, mma_wu, a_layout, kt_layout,
                 kh_layout, x_layout, tb_layout, w_layout, aqk_layout, H, HV, NC, scale,
                 lower_bound,
             )
@@ -399,7 +366,6 @@ class KdaFwdIntraTC:
         pALog: cute.Pointer,
         pDtBias: cute.Pointer,
         pChunks: cute.Pointer,
-        pW: cute.Pointer,
         pQG: cute.Pointer,
         pKGT: cute.Pointer,
         pGam: cute.Pointer,
@@ -409,10 +375,6 @@ class KdaFwdIntraTC:
         tU: cute.Tensor,
         tma_aqk: cute.CopyAtom,
         tAqk: cute.Tensor,
-        tma_xl: cute.CopyAtom,
-        tXl: cute.Tensor,
-        tma_vl: cute.CopyAtom,
-        tVl: cute.Tensor,
         mma_diag: cute.TiledMma,
         mma_off: cute.TiledMma,
         mma_wu: cute.TiledMma,
@@ -458,20 +420,8 @@ class KdaFwdIntraTC:
         sQa = st.sQa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sKt = st.sKt.get_tensor(kt_layout.outer, swizzle=kt_layout.inner)
         sKh = st.sKh.get_tensor(kh_layout.outer, swizzle=kh_layout.inner)
-        if cutlass.const_expr(self.late_xv):
-            # X and v arrive by TMA into the Ka and K̃ tiles once the inverse is done with them (sA lives in
-            # Ka's, sT in K̃'s); one mbarrier counts both copies' bytes
-            x_raw = st.sKa.data_ptr()
-            v_raw = st.sKt.data_ptr()
-            bar = st.sBar.data_ptr()
-            if tidx == 0:
-                cute.arch.mbarrier_init(bar, 1)
-                cute.arch.mbarrier_init_fence()
-        else:
-            x_raw = st.sX.data_ptr()
-            v_raw = st.sV.data_ptr()
-        sX = _tile(x_raw, x_layout)
-        sV = _tile(v_raw, x_layout)
+        sX = st.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
+        sV = st.sV.get_tensor(x_layout.outer, swizzle=x_layout.inner)
         # group totals of g (phase 1), then their exclusive prefix by group plus the chunk total in row
         # groups (phase 2's column pass)
         sTot = st.sTot.get_tensor(cute.make_layout((self.groups + 1, DK), stride=(DK, 1)))
@@ -489,13 +439,15 @@ class KdaFwdIntraTC:
         tb_raw = st.sQa.data_ptr() + CHUNK * DK // 2  # 8 KB into sQa: 1024-byte aligned
         sTb = _tile(tb_raw, tb_layout)
         sAqk = _tile(st.sKh.data_ptr() + 2 * 1024, aqk_layout)
-        sWst = _tile(x_raw, w_layout)
-        sUst = _tile(v_raw, w_layout)
+        sWst = st.sX.get_tensor(w_layout.outer, swizzle=w_layout.inner)
+        sUst = st.sV.get_tensor(w_layout.outer, swizzle=w_layout.inner)
         # unswizzled tile starts, for the 16-byte vector accesses of the pointwise phases
         ka_raw = st.sKa.data_ptr()
         qa_raw = st.sQa.data_ptr()
         kt_raw = st.sKt.data_ptr()
         kh_raw = st.sKh.data_ptr()
+        x_raw = st.sX.data_ptr()
+        v_raw = st.sV.data_ptr()
 
         # ================================================================ phase 1: loads, gate, scan
         a_exp = F32(1.0)
@@ -527,8 +479,7 @@ class KdaFwdIntraTC:
             tok = tok0 + cutlass.min(r0 + rr, nvalid - 1)
             raw_q[rr, None].store(_vec(pQ, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
             raw_k[rr, None].store(_vec(pK, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
-            if cutlass.const_expr(not self.late_xv):
-                raw_v[rr, None].store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load())
+            raw_v[rr, None].store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load())
             raw_g[rr, None].store(_vec(pG, (tok * HV + hv) * DK + d0, COLS_PER_THREAD).load())
         if cutlass.const_expr(self.prefetch_ahead > 0):
             self.prefetch_later_chunk(pQ, pK, pV, pG, pChunks, tidx, chunk, hv, H, HV, NC)
@@ -557,8 +508,7 @@ class KdaFwdIntraTC:
             # raw q, k, v to their tiles (q and k are rewritten in place in phase 2)
             _st8(a_layout, qa_raw, (r, d0, 0), raw_q[rr, None])
             _st8(a_layout, ka_raw, (r, d0, 0), raw_k[rr, None])
-            if cutlass.const_expr(not self.late_xv):
-                _st8(x_layout, v_raw, (d0, r, 0), raw_v[rr, None])  # MN-major: (d, token)
+            _st8(x_layout, v_raw, (d0, r, 0), raw_v[rr, None])  # MN-major: (d, token)
             sq = F32(0.0)
             sk = F32(0.0)
             lb_keep = lb_log2 * keep
@@ -625,11 +575,11 @@ class KdaFwdIntraTC:
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             fh[c] = cute.math.exp2(eref[c] - cref[c], fastmath=True)
             fk[c] = cute.math.exp2(run[c] - eref[c], fastmath=True)
+
         rq = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         rk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         kgt = cute.make_rmem_tensor(cute.make_layout((COLS_PER_THREAD, rpt), stride=(rpt, 1)), BF16)  # [c][rr]
         qg_head = pQG + (hv * R + row0) * DK
-        x_head = pW + (hv * R + row0) * DK  # late_xv: X parks in w's scratch rows until phase 5
         for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
             keep = F32(1.0)  # rows past the end: q̂ = k̂ = 0 (so Ka, Qa, K̃, K̂, X, qg, kg are zero)
@@ -673,10 +623,7 @@ class KdaFwdIntraTC:
                 obf.store(kh.load().to(BF16))
                 _st8(kh_layout, kh_raw, (r % SUB, d0, kblk), obf)
             obf.store(xx.load().to(BF16))
-            if cutlass.const_expr(self.late_xv):
-                _vec(x_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
-            else:
-                _st8(x_layout, x_raw, (d0, r, 0), obf)
+            _st8(x_layout, x_raw, (d0, r, 0), obf)
             obf.store(qg.load().to(BF16))
             _vec(qg_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
         # kgᵀ: this thread's 8 rows are 8 consecutive tokens of one column: one 16-byte store each
@@ -688,8 +635,6 @@ class KdaFwdIntraTC:
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
                 gam_out[c] = cute.math.exp2(run[c], fastmath=True)
             _vec(pGam, (hv * NC + chunk) * DK + d0, COLS_PER_THREAD).store(gam_out.load())
-        if cutlass.const_expr(self.late_xv):  # X's rows are read back by the TMA (the async proxy)
-            cute.arch.fence_proxy(cute.arch.ProxyKind.async_global)
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
 
@@ -723,52 +668,46 @@ class KdaFwdIntraTC:
         for jb in cutlass.range_constexpr(NBLK - 1):
             for x in cutlass.range_constexpr(nprod):
                 acc_o[x].append(thr_o.make_fragment_C(thr_o.partition_shape_C((CHUNK, SUB))))
-        # the products' A rows in registers: both at once (one wait per column block), or with late_xv one
-        # product after the other (32 registers of A rows instead of 64, against 3 CTAs' 168-register bound)
-        groups = [tuple(range(nprod))]
-        if cutlass.const_expr(self.late_xv):
-            groups = [(x,) for x in range(nprod)]
-        for group in groups:
-            for jb in cutlass.range_constexpr(NBLK - 1):
-                # rows of warp I > J: Ka ⊙ 2^(C_I − E_J) = k̂ 2^(Γ − E_J) <= 1. Warps I <= J only take part
-                # in the warpgroup-wide wgmma: their rows of the product are never read, so they skip the
-                # build (half of this phase's work) and feed zeros.
-                rA = {x: cute.make_rmem_tensor(a_operand_layout(c128.layout), BF16) for x in group}
-                if wl > jb:
-                    p = pair_index(wl, jb)
-                    rA_c = {x: cute.make_tensor(rA[x].iterator, c128.layout) for x in group}
-                    # values e, e + 1 of a C fragment are columns d, d + 1 of one row: one 4-byte load each
-                    two = {x: cute.make_rmem_tensor(cute.make_layout(2), BF16) for x in group}
-                    for e in cutlass.range_constexpr(0, cute.size(c128), 2):
-                        i, d = cA[e]
-                        off = cute.assume(_swizzled_offset(a_layout, (i, d, 0)), divby=2)
-                        for x in group:
-                            two[x].store(cute.make_tensor(a_raws[x] + off, cute.make_layout(2)).load())
-                        if cutlass.const_expr(self.packed_offdiag):
-                            fpair = cute.make_rmem_tensor(cute.make_layout(2), F32)
-                            fpair[0] = sC[p, d]
-                            fpair[1] = sC[p, d + 1]
-                            fb2 = fpair.load().to(BF16)
-                            scaled = {x: two[x].load() * fb2 for x in group}  # one mul.bf16x2 per pair of columns
-                            for h in cutlass.range_constexpr(2):
-                                for x in group:
-                                    rA_c[x][e + h] = scaled[x][h]
-                        else:
-                            for h in cutlass.range_constexpr(2):
-                                f = sC[p, d + h]
-                                for x in group:
-                                    rA_c[x][e + h] = (two[x][h].to(F32) * f).to(BF16)
-                else:
-                    for x in group:
-                        rA[x].fill(0.0)
-                warpgroup.fence()
-                for x in group:
-                    for kb in cutlass.range_constexpr(cute.size(rA[x], mode=[2])):
-                        mma_off.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                        cute.gemm(mma_off, acc_o[x][jb], rA[x][None, None, kb], tBkh[None, None, kb, jb], acc_o[x][jb])
-                warpgroup.commit_group()
-                # the next block's A values go to fresh registers only once these are read
-                warpgroup.wait_group(0)
+        for jb in cutlass.range_constexpr(NBLK - 1):
+            # rows of warp I > J: Ka ⊙ 2^(C_I − E_J) = k̂ 2^(Γ − E_J) <= 1. Warps I <= J only take part
+            # in the warpgroup-wide wgmma: their rows of the product are never read, so they skip the
+            # build (half of this phase's work) and feed zeros.
+            rA = [cute.make_rmem_tensor(a_operand_layout(c128.layout), BF16) for _ in a_tiles]
+            if wl > jb:
+                p = pair_index(wl, jb)
+                rA_c = [cute.make_tensor(ra.iterator, c128.layout) for ra in rA]
+                # values e, e + 1 of a C fragment are columns d, d + 1 of one row: one 4-byte load each
+                two = [cute.make_rmem_tensor(cute.make_layout(2), BF16) for _ in a_tiles]
+                for e in cutlass.range_constexpr(0, cute.size(c128), 2):
+                    i, d = cA[e]
+                    off = cute.assume(_swizzled_offset(a_layout, (i, d, 0)), divby=2)
+                    for x in cutlass.range_constexpr(nprod):
+                        two[x].store(cute.make_tensor(a_raws[x] + off, cute.make_layout(2)).load())
+                    if cutlass.const_expr(self.packed_offdiag):
+                        fpair = cute.make_rmem_tensor(cute.make_layout(2), F32)
+                        fpair[0] = sC[p, d]
+                        fpair[1] = sC[p, d + 1]
+                        fb2 = fpair.load().to(BF16)
+                        scaled = [t.load() * fb2 for t in two]  # one mul.bf16x2 per pair of columns
+                        for h in cutlass.range_constexpr(2):
+                            for x in cutlass.range_constexpr(nprod):
+                                rA_c[x][e + h] = scaled[x][h]
+                    else:
+                        for h in cutlass.range_constexpr(2):
+                            f = sC[p, d + h]
+                            for x in cutlass.range_constexpr(nprod):
+                                rA_c[x][e + h] = (two[x][h].to(F32) * f).to(BF16)
+            else:
+                for x in cutlass.range_constexpr(nprod):
+                    rA[x].fill(0.0)
+            warpgroup.fence()
+            for x in cutlass.range_constexpr(nprod):
+                for kb in cutlass.range_constexpr(cute.size(rA[x], mode=[2])):
+                    mma_off.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(mma_off, acc_o[x][jb], rA[x][None, None, kb], tBkh[None, None, kb, jb], acc_o[x][jb])
+            warpgroup.commit_group()
+            # the next block's A values go to fresh registers only once these are read
+            warpgroup.wait_group(0)
         cute.arch.sync_threads()  # every warp is past its reads of the operand tiles: reuse them
 
         # ------------------------------------------------ combine: Akk β -> sA (fp32), Aqk -> staging
@@ -809,18 +748,6 @@ class KdaFwdIntraTC:
 
         # ==================================================== phase 4: T = (I + Akk)^-1, fp32 SIMT
         self.invert(sA, sT, sY, warp, lane, tidx, tb_raw)
-        if cutlass.const_expr(self.late_xv):  # sA is read for the last time: X may land in its tile
-            cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-            cute.arch.sync_threads()
-            if warp == 0:
-                gX = cute.local_tile(tXl[None, None, hv], (DK, CHUNK), (0, None))
-                tXs, tXg = cpasync.tma_partition(tma_xl, 0, one, cute.group_modes(sX, 0, 2),
-                                                 cute.group_modes(gX, 0, 2))
-                if lane == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * CHUNK * (DK + DV))
-                # the whole warp: a TMA load elects its issuing lane itself (elect.sync over all 32 lanes;
-                # reached by lane 0 alone, it hung the first GPU run)
-                cute.copy(tma_xl, tXg[None, chunk], tXs[None, 0], tma_bar_ptr=bar)
         # T' = T diag(β) in bf16 (upper blocks zero): the A operand of w and u; each thread forms
         # 8-column pieces of one row
         tpr = self.threads // CHUNK  # threads per row
@@ -842,8 +769,6 @@ class KdaFwdIntraTC:
             _st8(tb_layout, tb_raw, (ti, j0, 0), obf)
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
-        if cutlass.const_expr(self.late_xv):
-            self.late_v(tma_vl, tVl, sV, v_raw, x_layout, bar, tok0, nvalid, hv, warp, lane, tidx)
 
         # ====================================================== phase 5: w = T' X, u = T' v (wgmma)
         # one warpgroup forms both; with two, warpgroup 0 forms w = T' X and warpgroup 1 u = T' v (v's tile
@@ -887,29 +812,6 @@ class KdaFwdIntraTC:
                 cute.arch.cp_async_bulk_commit_group()
                 # shared memory must outlive the bulk copies' reads of it
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def late_v(self, tma_vl: cute.CopyAtom, tVl: cute.Tensor, sV: cute.Tensor, v_raw: cute.Pointer,
-               x_layout: cute.ComposedLayout, bar: cute.Pointer, tok0, nvalid, hv, warp, lane, tidx):
-        """``late_xv``: v's chunk by TMA into the K̃ tile (sT has just been read into T'), then wait for
-        it and X; rows past the chunk's end (the next sequence's tokens, or TMA's zeros past the tensor)
-        are zeroed, so that no other sequence's values (a NaN would survive T''s zero columns) reach u."""
-        if warp == 0:
-            gV = cute.flat_divide(cute.domain_offset((0, tok0, 0), tVl), (DV, CHUNK))  # (128, 64, 1, nT, HV)
-            tVs, tVg = cpasync.tma_partition(tma_vl, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                             cute.group_modes(gV, 0, 2))
-            cute.copy(tma_vl, tVg[None, 0, 0, hv], tVs[None, 0], tma_bar_ptr=bar)  # the whole warp (elects)
-        cute.arch.mbarrier_wait(bar, 0)
-        if nvalid < CHUNK:
-            zero = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
-            zero.fill(0.0)
-            for it in cutlass.range_constexpr(CHUNK * DV // COLS_PER_THREAD // THREADS):
-                piece = it * THREADS + tidx
-                r = piece // (DV // COLS_PER_THREAD)
-                if r >= nvalid:
-                    _st8(x_layout, v_raw, ((piece % (DV // COLS_PER_THREAD)) * COLS_PER_THREAD, r, 0), zero)
-            cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-        cute.arch.sync_threads()
 
     @cute.jit
     def invert(self, sA: cute.Tensor, sT: cute.Tensor, sY: cute.Tensor, warp, lane, tidx, b_raw: cute.Pointer):
@@ -1247,10 +1149,6 @@ def compile_targets():
         "pdl_end": build(cutlass.BFloat16, **full, pdl_trigger="end"),
         "softplus_gate": build(cutlass.BFloat16, **full, softplus_gate=True),
         "softplus_fp32_gate_gva": build(cutlass.Float32, **{**full, "group": 2}, softplus_gate=True),
-        "late_xv": build(cutlass.BFloat16, **full, late_xv=True),
-        "late_xv_3cta": build(cutlass.BFloat16, **full, late_xv=True, ctas_per_sm=3),
-        "late_xv_softplus_fp32_gate_gva": build(cutlass.Float32, **{**full, "group": 2}, softplus_gate=True,
-                                                late_xv=True, ctas_per_sm=3),
         "two_wg": build(cutlass.BFloat16, **full, warpgroups=2, inv_wgmma=False),
         "two_wg_fp32_gate_gva": build(cutlass.Float32, **{**full, "use_beta_sigmoid": False, "group": 2},
                                       warpgroups=2, inv_wgmma=False),
