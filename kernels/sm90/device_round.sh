@@ -194,6 +194,12 @@ for s in $steps; do
             step ssm_items$a 60 env CULA_KDA_RECUR_STATE_SMEM=$a python3 -m cula.kernels.sm90.kda_fwd --check \
                 --split items
         done ;;
+    prefetch_split)  # session 15: stage 1's L2 prefetch distance (CTAs ahead in launch order; 66 is the default
+        # since session 9, which left 33 / 99 untried): A / B / C / D / A splits, one compile per new distance
+        for p in 66 33 99 132 66; do
+            step prefetch_split_$p 150 env CULA_KDA_TC_PREFETCH=$p python3 -u -m cula.kernels.sm90.kda_fwd --check \
+                --split worst
+        done ;;
     cp_gpu)  # session 13's CPU-only CP pieces (one GPU is enough): KDA in pieces bitwise, the CP emulation tests
         step kda_pieces 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_fwd_pieces.py
         step cp_gpu 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_cp_gpu.py ;;
