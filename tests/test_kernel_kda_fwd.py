@@ -97,7 +97,9 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_two_wg_fp32_gate_gva", True), ("intra_tc_simt_inverse", True),
                                                ("intra_tc_prefetch", True), ("intra_tc_pdl_end", True),
                                                ("intra_tc_softplus_gate", True),
-                                               ("intra_tc_softplus_fp32_gate_gva", True)])
+                                               ("intra_tc_softplus_fp32_gate_gva", True),
+                                               ("intra_tc_offdiag_smem", True),
+                                               ("intra_tc_offdiag_smem_softplus_fp32_gate_gva", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -161,7 +163,13 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         # the packed off-diagonal scaling (the default) is one mul.bf16x2 per pair of columns (k and q
         # rows), the fp32 one none
         packed = rep.count("mul.bf16x2") + rep.count("mul.rn.bf16x2")
-        assert packed == 0 if target.endswith("scalar_offdiag") else packed >= 96
+        if "offdiag_smem" in target:
+            # the factor on the B side: 12 vectors of 8 per thread (4 pairs each) form B'_1..3, and each
+            # row block's off-diagonal part is one SS product per A tile of N = 16, 32, 48 (8 k-steps)
+            assert packed == 48
+            assert [rep.count(f"m64n{n}k16") for n in (16, 32, 48)] == [16, 16, 16]
+        else:
+            assert packed == 0 if target.endswith("scalar_offdiag") else packed >= 96
         # the later CTA's q, k (threads 0-63) or v, g (64-127) rows: 2 lines each (4 for an fp32 g); where
         # both branches have the same shape, ptxas merges them into one on selected addresses (4)
         from cula.kernels.sm90.kda_fwd_intra_tc import PREFETCH_AHEAD
@@ -186,6 +194,8 @@ def test_tc_layout_facts():
     facts = layout_facts("cula.kernels.sm90.kda_fwd_intra_tc")
     assert facts["combine_mismatches"] == 0
     assert facts["a_register_mismatches"] == 0
+    # offdiag_smem: the m64n(16 I) fragments are prefixes of the m64n64 one; B'_I rows as 16-byte vectors
+    assert facts["offdiag_prefix_mismatches"] == 0 and facts["offdiag_b_vector_mismatches"] == 0
     assert facts["x_is_a_transposed"] and facts["w_staging_is_a"]
     assert {v for k, v in facts.items() if k.startswith("swizzle_")} == {"S<3,4,3>"}
 
@@ -281,7 +291,7 @@ TC_CASES = [
 ]
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["f32-scale", "packed-offdiag"])
+@pytest.mark.parametrize("packed", [False, True, "smem"], ids=["f32-scale", "packed-offdiag", "offdiag-smem"])
 @pytest.mark.parametrize("B,T,H,HV,cu,lb,a_scale,neg", TC_CASES)
 def test_tc_algorithm_matches_exact_stages(B, T, H, HV, cu, lb, a_scale, neg, packed):
     """kda_fwd_intra_tc's algorithm (reference factors, block inverse, bf16 rounding points; torch model)
@@ -300,8 +310,8 @@ def test_tc_algorithm_matches_exact_stages(B, T, H, HV, cu, lb, a_scale, neg, pa
     chunks, _, _ = kda_fwd.chunk_tables(cu_t)
     model = tc.emulate(*(x.bfloat16() for x in (qf, kf, vf, gf, bf)), chunks, 128 ** -0.5,
                        tc.SOFTPLUS_FLOOR if lb is None else lb, kw["A_log"], kw["dt_bias"], use_qk_l2norm=True,
-                       use_beta_sigmoid=True, allow_neg_eigval=neg, packed_offdiag=packed,
-                       softplus_gate=lb is None)
+                       use_beta_sigmoid=True, allow_neg_eigval=neg, packed_offdiag=packed is True,
+                       softplus_gate=lb is None, offdiag_smem=packed == "smem")
     if lb is None and a_scale > 1:  # the case must reach the clamp, or it tests nothing new
         a = kw["A_log"].double().exp()[:, None]
         sp = torch.nn.functional.softplus(gf.double() + kw["dt_bias"].double().reshape(-1, 128))

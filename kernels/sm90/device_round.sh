@@ -194,6 +194,15 @@ for s in $steps; do
             step ssm_items$a 60 env CULA_KDA_RECUR_STATE_SMEM=$a python3 -m cula.kernels.sm90.kda_fwd --check \
                 --split items
         done ;;
+    offdiag)  # session 15: stage 1's off-diagonal blocks on shared-memory operands (CULA_KDA_TC_OFFDIAG_SMEM=1):
+        # checks against the fp64 emulation (no FLA: its shapes cost minutes), then A / B / A / B splits
+        od_cases=tc-T1,tc-T65-gva-vfirst,tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero,tc-fp32-gate-plainbeta
+        step offdiag_check 240 env CULA_KDA_TC_OFFDIAG_SMEM=1 python3 -u -m cula.kernels.sm90.kda_fwd --check \
+            --no-bench --no-fla --cases $od_cases \
+            && for a in 0 1 0 1; do
+                step offdiag_split$a 150 env CULA_KDA_TC_OFFDIAG_SMEM=$a python3 -u -m cula.kernels.sm90.kda_fwd \
+                    --check --split worst
+            done ;;
     prefetch_split)  # session 15: stage 1's L2 prefetch distance (CTAs ahead in launch order; 66 is the default
         # since session 9, which left 33 / 99 untried): A / B / C / D / A splits, one compile per new distance
         for p in 66 33 99 132 66; do

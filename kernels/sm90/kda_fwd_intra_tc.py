@@ -106,6 +106,12 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: 2.29x -> 2.39x). Session 6's TMA bulk prefetch of the same rows was 1-12% slower (the per-thread form
 #: also won over the bulk one in stage 2, session 8). ``CULA_KDA_TC_PREFETCH`` sets it for A/B runs.
 PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
+#: The off-diagonal blocks of Akk and Aqk on shared-memory operands (``CULA_KDA_TC_OFFDIAG_SMEM=1``): the
+#: per-(I, J) factor moves from the A rows (scaled in registers by warp I alone, so warp 3 scaled three
+#: blocks while warp 0 idled at each wgmma) to the B side, B'_I = K̂ ⊙ 2^(R_I − E_J) for the rows j < 16 I
+#: (R_I = Γ at row 16 I), formed by all threads in one balanced pass; then each row block I is one SS
+#: wgmma Ka B'_Iᵀ (N = 16 I) whose result carries 2^(R_I − C_I) = 2^shift, taken off in fp32.
+OFFDIAG_SMEM = __import__("os").environ.get("CULA_KDA_TC_OFFDIAG_SMEM", "0") == "1"
 SPLIT_PASSES = ((0, 0), (0, 1), (1, 0))  # (A part, B part) of each pass, 0 = hi, 1 = lo: lo·lo is dropped
 
 BF16 = cutlass.BFloat16
@@ -134,8 +140,11 @@ class KdaFwdIntraTC:
         pdl_trigger: str = "start",
         prefetch_ahead: int = PREFETCH_AHEAD,
         softplus_gate: bool = False,
+        offdiag_smem: bool = False,
     ):
         assert warpgroups in (1, 2), warpgroups
+        assert not (offdiag_smem and warpgroups != 1), "the shared-memory off-diagonal path is one warpgroup's"
+        self.offdiag_smem = offdiag_smem
         # False: the lower-bounded sigmoid gate lb * sigmoid(exp(A_log) (x + dt_bias)); True: the softplus
         # gate, clamped at the runtime lower_bound (SOFTPLUS_FLOOR)
         self.softplus_gate = softplus_gate
@@ -219,32 +228,45 @@ class KdaFwdIntraTC:
         # off-diagonal column block J: A = per-warp scaled Ka / Qa (registers), B = K̂_J   [64 i, 16 j]
         mma_off = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, kmode, F32, (1, 1, 1), (CHUNK, SUB),
                                                     warpgroup.OperandSource.RMEM)
+        # offdiag_smem: row block I's off-diagonal part, A = Ka / Qa, B = B'_I (smem)  [64 i, 16 I j]
+        kb_layouts = [self.kh_layout] * 3
+        mma_offs = [mma_off] * 3
+        if cutlass.const_expr(self.offdiag_smem):
+            kb_layouts = [sm90_utils.make_smem_layout_b(kmaj, (CHUNK, SUB * ib, DK), BF16, 1) for ib in (1, 2, 3)]
+            mma_offs = [sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, kmode, F32, (1, 1, 1), (CHUNK, SUB * ib))
+                        for ib in (1, 2, 3)]
         # w = T' X and u = T' v: A = T' (smem), B = X / v with d contiguous             [64 i, 128 d]
         mma_wu = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, mnmode, F32, (1, 1, 1), (CHUNK, DK))
 
-        @cute.struct
-        class SharedStorage:
-            sKa: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
-            sQa: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
-            sKt: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
-            sKh: cute.struct.Align[cute.struct.MemRange[BF16, (NBLK - 1) * SUB * DK], 1024]
-            sX: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DK], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[BF16, CHUNK * DV], 1024]
-            sTot: cute.struct.Align[cute.struct.MemRange[F32, (self.groups + 1) * DK], 16]
-            sFirst: cute.struct.Align[cute.struct.MemRange[F32, NBLK * DK], 16]
-            sC: cute.struct.Align[cute.struct.MemRange[F32, len(PAIRS) * DK], 16]
-            sBeta: cute.struct.Align[cute.struct.MemRange[F32, CHUNK], 16]
-
+        SharedStorage = self.storage_class()
         self.shared_storage = SharedStorage
         self.kernel(
             pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam,
             tma_w, tW, tma_u, tU, tma_aqk, tAqk,
-            mma_diag, mma_off, mma_wu,
-            self.a_layout, self.kt_layout, self.kh_layout, self.x_layout, self.tb_layout,
-            self.w_layout, self.aqk_layout,
+            mma_diag, mma_offs[0], mma_offs[1], mma_offs[2], mma_wu,
+            self.a_layout, self.kt_layout, kb_layouts[0], kb_layouts[1], kb_layouts[2], self.x_layout,
+            self.tb_layout, self.w_layout, self.aqk_layout,
             num_heads, HV, NC, scale, lower_bound,
         ).launch(grid=[NC, HV, 1], block=[self.threads, 1, 1], stream=stream,
                  smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=CTAS_PER_SM)
+
+    def storage_class(self):
+        """The kernel's shared memory (see the smem budget in kda_fwd.md). ``offdiag_smem``: the three B'_I
+        tiles (16, 32, 48 rows; 24 KB, contiguous) replace K̂ (12 KB) and the factors are bf16, 115 KB in
+        all, so two CTAs still fit an SM (2 x (115 + 1) KB of 228)."""
+        mr, al = cute.struct.MemRange, cute.struct.Align
+        tile = al[mr[BF16, CHUNK * DK], 1024]
+        fields = dict(sKa=tile, sQa=tile, sKt=tile)
+        if self.offdiag_smem:
+            fields.update(sKh=al[mr[BF16, SUB * DK], 1024], sKb2=al[mr[BF16, 2 * SUB * DK], 1024],
+                          sKb3=al[mr[BF16, 3 * SUB * DK], 1024])
+        else:
+            fields.update(sKh=al[mr[BF16, (NBLK - 1) * SUB * DK], 1024])
+        fields.update(sX=tile, sV=al[mr[BF16, CHUNK * DV], 1024],
+                      sTot=al[mr[F32, (self.groups + 1) * DK], 16], sFirst=al[mr[F32, NBLK * DK], 16],
+                      sC=al[mr[BF16 if self.offdiag_smem else F32, len(PAIRS) * DK], 16],
+                      sBeta=al[mr[F32, CHUNK], 16])
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ---------------------------------------------------------------------------- device side --
     @cute.kernel
@@ -269,10 +291,14 @@ class KdaFwdIntraTC:
         tAqk: cute.Tensor,
         mma_diag: cute.TiledMma,
         mma_off: cute.TiledMma,
+        mma_off2: cute.TiledMma,
+        mma_off3: cute.TiledMma,
         mma_wu: cute.TiledMma,
         a_layout: cute.ComposedLayout,
         kt_layout: cute.ComposedLayout,
         kh_layout: cute.ComposedLayout,
+        kb2_layout: cute.ComposedLayout,
+        kb3_layout: cute.ComposedLayout,
         x_layout: cute.ComposedLayout,
         tb_layout: cute.ComposedLayout,
         w_layout: cute.ComposedLayout,
@@ -291,8 +317,8 @@ class KdaFwdIntraTC:
         if chunks[chunk, 1] > 0:
             self.chunk_body(
                 pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW,
-                tma_u, tU, tma_aqk, tAqk, mma_diag, mma_off, mma_wu, a_layout, kt_layout,
-                kh_layout, x_layout, tb_layout, w_layout, aqk_layout, H, HV, NC, scale,
+                tma_u, tU, tma_aqk, tAqk, mma_diag, mma_off, mma_off2, mma_off3, mma_wu, a_layout, kt_layout,
+                kh_layout, kb2_layout, kb3_layout, x_layout, tb_layout, w_layout, aqk_layout, H, HV, NC, scale,
                 lower_bound,
             )
         if cutlass.const_expr(self.pdl_trigger == "end"):
@@ -325,7 +351,8 @@ class KdaFwdIntraTC:
     @cute.jit
     def column_pass(self, sTot: cute.Tensor, sFirst: cute.Tensor, sC: cute.Tensor, shift, col):
         """Thread = key column ``col``: the group totals' exclusive prefix in place (the chunk total in
-        row ``groups``) and the off-diagonal factors ``2^(C_I − E_J)`` of that column."""
+        row ``groups``) and the off-diagonal factors ``2^(C_I − E_J)`` of that column (``offdiag_smem``:
+        ``2^(R_I − E_J)`` in bf16, the B side's)."""
         gpb = self.gpb
         tot_col = cute.make_rmem_tensor(cute.make_layout(self.groups + 1), F32)  # exclusive prefix by group
         tot_col[0] = F32(0.0)
@@ -333,9 +360,12 @@ class KdaFwdIntraTC:
             tot_col[gq + 1] = tot_col[gq] + sTot[gq, col]
         for p in cutlass.range_constexpr(len(PAIRS)):
             ib, jb = PAIRS[p]
-            c_i = tot_col[gpb * ib] + sFirst[ib, col] - shift
+            r_i = tot_col[gpb * ib] + sFirst[ib, col]  # R_I: Γ at row 16 I
             e_j = tot_col[gpb * jb + gpb]
-            sC[p, col] = cute.math.exp2(c_i - e_j, fastmath=True)
+            if cutlass.const_expr(self.offdiag_smem):
+                sC[p, col] = BF16(cute.math.exp2(r_i - e_j, fastmath=True))  # 2^(R_I − E_J) <= 1
+            else:
+                sC[p, col] = cute.math.exp2(r_i - shift - e_j, fastmath=True)  # 2^(C_I − E_J)
         for gq in cutlass.range_constexpr(self.groups + 1):
             sTot[gq, col] = tot_col[gq]
 
@@ -354,6 +384,44 @@ class KdaFwdIntraTC:
             if j < i + incl:
                 v = acc_diag[e]
         return v
+
+    @cute.jit
+    def lower_value_b(self, e: cutlass.Constexpr, i, j, acc_diag: cute.Tensor, acc_rows: list, wl, incl,
+                      per_blk: cutlass.Constexpr, unshift):
+        """:meth:`lower_value` of the ``offdiag_smem`` path: below the block diagonal, value ``e`` of
+        row block ``wl``'s own m64n(16 wl) product (its fragment is a prefix of the m64n64 one), times
+        ``unshift``."""
+        jb = e // per_blk
+        v = F32(0.0)
+        if cutlass.const_expr(jb < NBLK - 1):
+            for ib in cutlass.range_constexpr(jb + 1, NBLK):
+                if wl == ib:
+                    v = acc_rows[ib - 1][e]
+            v = v * unshift  # (zero where wl <= jb)
+        if wl == jb:
+            if j < i + incl:
+                v = acc_diag[e]
+        return v
+
+    @cute.jit
+    def offdiag_b(self, sC: cute.Tensor, kb_raws: tuple, kb_layouts: tuple, tidx):
+        """``offdiag_smem``: B'_I = K̂ ⊙ 2^(R_I − E_J) for the rows j < 16 I of the B'_I tiles, from K̂ in
+        B'_3's rows (B'_3 scaled in place). Thread t: column chunk t % 16, rows t // 16 and + 8 of each
+        block J < 3, so every thread forms 2 x (3 + 2 + 1) vectors of 8 (packed bf16 products)."""
+        c8 = (tidx % (DK // COLS_PER_THREAD)) * COLS_PER_THREAD
+        s8 = tidx // (DK // COLS_PER_THREAD)
+        f = [cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16) for _ in PAIRS]
+        for p in cutlass.range_constexpr(len(PAIRS)):
+            cute.autovec_copy(_vec(sC.iterator, p * DK + c8, COLS_PER_THREAD), f[p])
+        vals = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
+        out = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
+        for jb in cutlass.range_constexpr(NBLK - 1):
+            for h in cutlass.range_constexpr(SUB // 8):
+                j = jb * SUB + s8 + 8 * h
+                _ld8(kb_layouts[2], kb_raws[2], (j, c8, 0), vals)
+                for ib in cutlass.range_constexpr(jb + 1, NBLK):
+                    out.store(vals.load() * f[pair_index(ib, jb)].load())
+                    _st8(kb_layouts[ib - 1], kb_raws[ib - 1], (j, c8, 0), out)
 
     @cute.jit
     def chunk_body(
@@ -377,10 +445,14 @@ class KdaFwdIntraTC:
         tAqk: cute.Tensor,
         mma_diag: cute.TiledMma,
         mma_off: cute.TiledMma,
+        mma_off2: cute.TiledMma,
+        mma_off3: cute.TiledMma,
         mma_wu: cute.TiledMma,
         a_layout: cute.ComposedLayout,
         kt_layout: cute.ComposedLayout,
         kh_layout: cute.ComposedLayout,
+        kb2_layout: cute.ComposedLayout,
+        kb3_layout: cute.ComposedLayout,
         x_layout: cute.ComposedLayout,
         tb_layout: cute.ComposedLayout,
         w_layout: cute.ComposedLayout,
@@ -439,6 +511,13 @@ class KdaFwdIntraTC:
         tb_raw = st.sQa.data_ptr() + CHUNK * DK // 2  # 8 KB into sQa: 1024-byte aligned
         sTb = _tile(tb_raw, tb_layout)
         sAqk = _tile(st.sKh.data_ptr() + 2 * 1024, aqk_layout)
+        # offdiag_smem: B'_1 is the sKh tile; B'_2, B'_3 follow it (K̂ itself lands in B'_3's rows)
+        kb_raws = (st.sKh.data_ptr(), st.sKh.data_ptr(), st.sKh.data_ptr())
+        kb_tiles = (sKh, sKh, sKh)
+        if cutlass.const_expr(self.offdiag_smem):
+            kb_raws = (st.sKh.data_ptr(), st.sKb2.data_ptr(), st.sKb3.data_ptr())
+            kb_tiles = (sKh, st.sKb2.get_tensor(kb2_layout.outer, swizzle=kb2_layout.inner),
+                        st.sKb3.get_tensor(kb3_layout.outer, swizzle=kb3_layout.inner))
         sWst = st.sX.get_tensor(w_layout.outer, swizzle=w_layout.inner)
         sUst = st.sV.get_tensor(w_layout.outer, swizzle=w_layout.inner)
         # unswizzled tile starts, for the 16-byte vector accesses of the pointwise phases
@@ -621,7 +700,10 @@ class KdaFwdIntraTC:
             _st8(kt_layout, kt_raw, (r, d0, 0), obf)
             if kblk < NBLK - 1:  # K̂ of block 3 is never a B operand
                 obf.store(kh.load().to(BF16))
-                _st8(kh_layout, kh_raw, (r % SUB, d0, kblk), obf)
+                if cutlass.const_expr(self.offdiag_smem):
+                    _st8(kb3_layout, kb_raws[2], (r, d0, 0), obf)
+                else:
+                    _st8(kh_layout, kh_raw, (r % SUB, d0, kblk), obf)
             obf.store(xx.load().to(BF16))
             _st8(x_layout, x_raw, (d0, r, 0), obf)
             obf.store(qg.load().to(BF16))
@@ -637,6 +719,10 @@ class KdaFwdIntraTC:
             _vec(pGam, (hv * NC + chunk) * DK + d0, COLS_PER_THREAD).store(gam_out.load())
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.offdiag_smem):
+            self.offdiag_b(sC, kb_raws, (kh_layout, kb2_layout, kb3_layout), tidx)
+            cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+            cute.arch.sync_threads()
 
         # ================================================================ phase 3: Akk, Aqk on wgmma
         # one warpgroup forms both products; with two, warpgroup 0 forms Akk and warpgroup 1 Aqk (Qa's
@@ -656,65 +742,87 @@ class KdaFwdIntraTC:
         warpgroup.fence()
         for x in cutlass.range_constexpr(nprod):
             _gemm_ss(mma_diag, acc_d[x], tA_d[x], tBkt)
-        warpgroup.commit_group()
-
-        thr_o = mma_off.get_slice(tidw)
-        tBkh = thr_o.make_fragment_B(thr_o.partition_B(sKh))  # (MMA, 1, 8, 3)
-        # A registers of a K = 128 operand, addressed through the C fragment of an m64n128 product
-        thr_wu = mma_wu.get_slice(tidw)
-        c128 = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK)))
-        cA = thr_wu.partition_C(cute.make_identity_tensor((CHUNK, DK)))  # (row i, column d) per value
-        acc_o = [[] for _ in a_tiles]  # [product][column block J]
-        for jb in cutlass.range_constexpr(NBLK - 1):
-            for x in cutlass.range_constexpr(nprod):
-                acc_o[x].append(thr_o.make_fragment_C(thr_o.partition_shape_C((CHUNK, SUB))))
-        for jb in cutlass.range_constexpr(NBLK - 1):
-            # rows of warp I > J: Ka ⊙ 2^(C_I − E_J) = k̂ 2^(Γ − E_J) <= 1. Warps I <= J only take part
-            # in the warpgroup-wide wgmma: their rows of the product are never read, so they skip the
-            # build (half of this phase's work) and feed zeros.
-            rA = [cute.make_rmem_tensor(a_operand_layout(c128.layout), BF16) for _ in a_tiles]
-            if wl > jb:
-                p = pair_index(wl, jb)
-                rA_c = [cute.make_tensor(ra.iterator, c128.layout) for ra in rA]
-                # values e, e + 1 of a C fragment are columns d, d + 1 of one row: one 4-byte load each
-                two = [cute.make_rmem_tensor(cute.make_layout(2), BF16) for _ in a_tiles]
-                for e in cutlass.range_constexpr(0, cute.size(c128), 2):
-                    i, d = cA[e]
-                    off = cute.assume(_swizzled_offset(a_layout, (i, d, 0)), divby=2)
-                    for x in cutlass.range_constexpr(nprod):
-                        two[x].store(cute.make_tensor(a_raws[x] + off, cute.make_layout(2)).load())
-                    if cutlass.const_expr(self.packed_offdiag):
-                        fpair = cute.make_rmem_tensor(cute.make_layout(2), F32)
-                        fpair[0] = sC[p, d]
-                        fpair[1] = sC[p, d + 1]
-                        fb2 = fpair.load().to(BF16)
-                        scaled = [t.load() * fb2 for t in two]  # one mul.bf16x2 per pair of columns
-                        for h in cutlass.range_constexpr(2):
-                            for x in cutlass.range_constexpr(nprod):
-                                rA_c[x][e + h] = scaled[x][h]
-                    else:
-                        for h in cutlass.range_constexpr(2):
-                            f = sC[p, d + h]
-                            for x in cutlass.range_constexpr(nprod):
-                                rA_c[x][e + h] = (two[x][h].to(F32) * f).to(BF16)
-            else:
+        acc_ob = [[] for _ in a_tiles]  # offdiag_smem: [product][row block I - 1], m64n(16 I)
+        if cutlass.const_expr(self.offdiag_smem):
+            # row block I's off-diagonal part is rows 16 I.. of Ka B'_Iᵀ (the other rows are never read)
+            for ib in cutlass.range_constexpr(1, NBLK):
+                mma_i = (mma_off, mma_off2, mma_off3)[ib - 1]
+                thr_i = mma_i.get_slice(tidw)
+                tB_i = thr_i.make_fragment_B(thr_i.partition_B(kb_tiles[ib - 1]))
                 for x in cutlass.range_constexpr(nprod):
-                    rA[x].fill(0.0)
-            warpgroup.fence()
-            for x in cutlass.range_constexpr(nprod):
-                for kb in cutlass.range_constexpr(cute.size(rA[x], mode=[2])):
-                    mma_off.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(mma_off, acc_o[x][jb], rA[x][None, None, kb], tBkh[None, None, kb, jb], acc_o[x][jb])
-            warpgroup.commit_group()
-            # the next block's A values go to fresh registers only once these are read
+                    tA_i = thr_i.make_fragment_A(thr_i.partition_A(a_tiles[x]))
+                    acc_i = thr_i.make_fragment_C(thr_i.partition_shape_C((CHUNK, SUB * ib)))
+                    _gemm_ss(mma_i, acc_i, tA_i, tB_i)
+                    acc_ob[x].append(acc_i)
+        warpgroup.commit_group()
+        if cutlass.const_expr(self.offdiag_smem):
             warpgroup.wait_group(0)
+
+        thr_wu = mma_wu.get_slice(tidw)
+        acc_o = [[] for _ in a_tiles]  # [product][column block J] (the register-scaled path)
+        if cutlass.const_expr(not self.offdiag_smem):
+            thr_o = mma_off.get_slice(tidw)
+            tBkh = thr_o.make_fragment_B(thr_o.partition_B(sKh))  # (MMA, 1, 8, 3)
+            # A registers of a K = 128 operand, addressed through the C fragment of an m64n128 product
+            c128 = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK)))
+            cA = thr_wu.partition_C(cute.make_identity_tensor((CHUNK, DK)))  # (row i, column d) per value
+            for jb in cutlass.range_constexpr(NBLK - 1):
+                for x in cutlass.range_constexpr(nprod):
+                    acc_o[x].append(thr_o.make_fragment_C(thr_o.partition_shape_C((CHUNK, SUB))))
+            for jb in cutlass.range_constexpr(NBLK - 1):
+                # rows of warp I > J: Ka ⊙ 2^(C_I − E_J) = k̂ 2^(Γ − E_J) <= 1. Warps I <= J only take part
+                # in the warpgroup-wide wgmma: their rows of the product are never read, so they skip the
+                # build (half of this phase's work) and feed zeros.
+                rA = [cute.make_rmem_tensor(a_operand_layout(c128.layout), BF16) for _ in a_tiles]
+                if wl > jb:
+                    p = pair_index(wl, jb)
+                    rA_c = [cute.make_tensor(ra.iterator, c128.layout) for ra in rA]
+                    # values e, e + 1 of a C fragment are columns d, d + 1 of one row: one 4-byte load each
+                    two = [cute.make_rmem_tensor(cute.make_layout(2), BF16) for _ in a_tiles]
+                    for e in cutlass.range_constexpr(0, cute.size(c128), 2):
+                        i, d = cA[e]
+                        off = cute.assume(_swizzled_offset(a_layout, (i, d, 0)), divby=2)
+                        for x in cutlass.range_constexpr(nprod):
+                            two[x].store(cute.make_tensor(a_raws[x] + off, cute.make_layout(2)).load())
+                        if cutlass.const_expr(self.packed_offdiag):
+                            fpair = cute.make_rmem_tensor(cute.make_layout(2), F32)
+                            fpair[0] = sC[p, d]
+                            fpair[1] = sC[p, d + 1]
+                            fb2 = fpair.load().to(BF16)
+                            scaled = [t.load() * fb2 for t in two]  # one mul.bf16x2 per pair of columns
+                            for h in cutlass.range_constexpr(2):
+                                for x in cutlass.range_constexpr(nprod):
+                                    rA_c[x][e + h] = scaled[x][h]
+                        else:
+                            for h in cutlass.range_constexpr(2):
+                                f = sC[p, d + h]
+                                for x in cutlass.range_constexpr(nprod):
+                                    rA_c[x][e + h] = (two[x][h].to(F32) * f).to(BF16)
+                else:
+                    for x in cutlass.range_constexpr(nprod):
+                        rA[x].fill(0.0)
+                warpgroup.fence()
+                for x in cutlass.range_constexpr(nprod):
+                    for kb in cutlass.range_constexpr(cute.size(rA[x], mode=[2])):
+                        mma_off.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                        cute.gemm(mma_off, acc_o[x][jb], rA[x][None, None, kb], tBkh[None, None, kb, jb],
+                                  acc_o[x][jb])
+                warpgroup.commit_group()
+                # the next block's A values go to fresh registers only once these are read
+                warpgroup.wait_group(0)
         cute.arch.sync_threads()  # every warp is past its reads of the operand tiles: reuse them
 
         # ------------------------------------------------ combine: Akk β -> sA (fp32), Aqk -> staging
         cD = thr_d.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
         rAqk = cute.make_rmem_tensor(acc_d[0].layout, BF16)
         per_blk = cute.size(acc_d[0]) // NBLK  # 8 values of a thread per 16-column block
-        if cutlass.const_expr(self.wgs == 1):
+        if cutlass.const_expr(self.offdiag_smem):
+            unshift = cute.math.exp2(-shift, fastmath=True)  # 2^(C_I − R_I): what Ka B'_Iᵀ carries extra
+            for e in cutlass.range_constexpr(cute.size(acc_d[0])):
+                i, j = cD[e]
+                sA[i, j] = self.lower_value_b(e, i, j, acc_d[0], acc_ob[0], warp, 0, per_blk, unshift) * sBeta[i]
+                rAqk[e] = self.lower_value_b(e, i, j, acc_d[1], acc_ob[1], warp, 1, per_blk, unshift).to(BF16)
+        elif cutlass.const_expr(self.wgs == 1):
             for e in cutlass.range_constexpr(cute.size(acc_d[0])):
                 i, j = cD[e]
                 sA[i, j] = self.lower_value(e, i, j, acc_d[0], acc_o[0], warp, 0, per_blk) * sBeta[i]
@@ -1148,6 +1256,9 @@ def compile_targets():
         "prefetch": build(cutlass.BFloat16, **full, prefetch_ahead=132),
         "pdl_end": build(cutlass.BFloat16, **full, pdl_trigger="end"),
         "softplus_gate": build(cutlass.BFloat16, **full, softplus_gate=True),
+        "offdiag_smem": build(cutlass.BFloat16, **full, offdiag_smem=True),
+        "offdiag_smem_softplus_fp32_gate_gva": build(cutlass.Float32, **{**full, "group": 2}, softplus_gate=True,
+                                                     offdiag_smem=True),
         "softplus_fp32_gate_gva": build(cutlass.Float32, **{**full, "group": 2}, softplus_gate=True),
         "two_wg": build(cutlass.BFloat16, **full, warpgroups=2, inv_wgmma=False),
         "two_wg_fp32_gate_gva": build(cutlass.Float32, **{**full, "use_beta_sigmoid": False, "group": 2},
@@ -1160,12 +1271,13 @@ def compile_targets():
 # ------------------------------------------------------------------------------------------------
 def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=None,
             use_qk_l2norm=False, use_beta_sigmoid=False, allow_neg_eigval=False, packed_offdiag=False,
-            softplus_gate=False):
+            softplus_gate=False, offdiag_smem=False):
     """The stage-1 scratch exactly as this kernel forms it, in torch (CPU or GPU).
 
     ``q, k: [TT, H, 128]``, ``v, g: [TT, HV, 128]``, ``beta: [TT, HV]`` (flattened tokens), ``chunks``
     the ``[NC, 2]`` table of ``kda_fwd.chunk_tables``. Returns the dict of ``kda_fwd.emulate_stages``
-    (w, u, qg, aqk, kgt in bf16; gam fp32); ``packed_offdiag`` models ``PACKED_OFFDIAG``;
+    (w, u, qg, aqk, kgt in bf16; gam fp32); ``packed_offdiag`` models ``PACKED_OFFDIAG``, ``offdiag_smem``
+    ``OFFDIAG_SMEM`` (the factor on the B side: K̂ ⊙ bf16(2^(R_I − E_J)), rounded once, then 2^-shift in fp32);
     ``softplus_gate``: the softplus gate clamped at ``lower_bound`` (``SOFTPLUS_FLOOR``). It exists to
     test the algorithm (reference factors, block
     inverse, where bf16 rounding happens) on a CPU against the exact emulation; the GPU check compares
@@ -1236,6 +1348,12 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
         c_ij = torch.exp2(blk_first[:, :, ib] - shift - blk_last[:, :, jb])  # [NC, HV, K]
         r = slice(ib * SUB, (ib + 1) * SUB)
         cs = slice(jb * SUB, (jb + 1) * SUB)
+        if offdiag_smem:
+            f_ij = torch.exp2(blk_first[:, :, ib] - blk_last[:, :, jb]).to(bf16)  # 2^(R_I − E_J)
+            b = (kh[:, :, cs] * f_ij[:, :, None]).float().transpose(-1, -2)
+            akk[:, :, r, cs] = (ka[:, :, r].float() @ b) * 2.0 ** -shift
+            aqk[:, :, r, cs] = (qa[:, :, r].float() @ b) * 2.0 ** -shift
+            continue
         if packed_offdiag:  # bf16 x bf16 is exact in fp32, rounded once: what mul.bf16x2 does
             a_k = (ka[:, :, r] * c_ij.to(bf16)[:, :, None]).float()
             a_q = (qa[:, :, r] * c_ij.to(bf16)[:, :, None]).float()
@@ -1316,6 +1434,29 @@ def layout_facts() -> dict:
                 bad_a += int(ia != ib or db != da + 1 or da % 2)
         facts["combine_mismatches"] = bad_combine
         facts["a_register_mismatches"] = bad_a
+        # offdiag_smem: value e of the m64n(16 I) product is value e of the m64n64 one (a prefix), and
+        # the B'_I tiles keep 8 consecutive columns of a row as one 16-byte vector (_ld8 / _st8)
+        bad_prefix = 0
+        bad_vec = 0
+        for ib in (1, 2, 3):
+            mma_i = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, kmode, F32, (1, 1, 1), (CHUNK, SUB * ib))
+            for t in (0, 1, 5, 31, 37, 64, 99, 127):
+                c64 = diag.get_slice(t).partition_C(cute.make_identity_tensor((CHUNK, CHUNK))).layout
+                ci = mma_i.get_slice(t).partition_C(cute.make_identity_tensor((CHUNK, SUB * ib))).layout
+                bad_prefix += sum(int(coord(e, c64) != coord(e, ci)) for e in range(cute.size(ci)))
+            kb = sm90_utils.make_smem_layout_b(kmaj, (CHUNK, SUB * ib, DK), BF16, 1)
+            facts[f"swizzle_kb{ib}"] = str(kb.inner)
+
+            def swz(j, d):  # _swizzled_offset in plain Python (S<3,4,3> on byte addresses)
+                lin = int(cute.crd2idx((j, d, 0), kb.outer)) * 2
+                return (lin ^ (((lin >> 7) & 7) << 4)) // 2
+
+            for j in range(SUB * ib):
+                for c8 in range(0, DK, 8):
+                    base = swz(j, c8)
+                    bad_vec += int(base % 8 != 0 or any(swz(j, c8 + x) != base + x for x in range(8)))
+        facts["offdiag_prefix_mismatches"] = bad_prefix
+        facts["offdiag_b_vector_mismatches"] = bad_vec
         a_l = sm90_utils.make_smem_layout_a(kmaj, (CHUNK, CHUNK, DK), BF16, 1)
         x_l = sm90_utils.make_smem_layout_b(mnmaj, (CHUNK, DV, CHUNK), BF16, 1)
         w_l = sm90_utils.make_smem_layout_b(kmaj, (CHUNK, CHUNK, DK), BF16, 1)
