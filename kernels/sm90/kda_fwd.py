@@ -554,7 +554,7 @@ def kda_fwd(
                         inv_wgmma=intra_tc.INV_WGMMA and intra_tc.WARPGROUPS == 1,
                         pdl_trigger=recur.PDL_TRIGGER if recur.PDL and recur.PDL_TRIGGER != "none" else "",
                         prefetch_ahead=intra_tc.PREFETCH_AHEAD, softplus_gate=softplus_tc)
-        if intra_tc.OFFDIAG_SMEM and intra_tc.WARPGROUPS == 1:  # opt-in (A/B runs): only set, so keys stay
+        if intra_tc.OFFDIAG_SMEM and intra_tc.WARPGROUPS == 1:  # the default (CULA_KDA_TC_OFFDIAG_SMEM=0: A/B)
             tc_flags.update(offdiag_smem=True)
         _launcher("intra_tc", (tuple(sorted(tc_flags.items())), dts), lambda: intra_tc.KdaFwdIntraTC(**tc_flags),
                   _intra_specs(*dts))(*intra_values)

@@ -12,15 +12,18 @@ at ``SOFTPLUS_FLOOR`` (read its comment for what the clamp costs). Per 16-row bl
 products use
 
     diagonal block:      2^(Γ_i − Γ_j) = 2^(Γ_i − C_I) · 2^(C_I − Γ_j),   C_I = Γ_{16I} − SHIFT
-    block J < I:         2^(Γ_i − Γ_j) = 2^(Γ_i − E_J) · 2^(E_J − Γ_j),   E_J = Γ_{16J+15}
+    block J < I:         2^(Γ_i − Γ_j) = 2^(Γ_i − C_I) · 2^(R_I − Γ_j) · 2^-SHIFT,   R_I = Γ_{16I}
 
 ``C_I`` is the block's first cumulative gate moved by half the block's largest possible gate range
 (``SHIFT = 7.5 |lower_bound| / ln 2``), so both diagonal factors stay within ``2^±(7.5·|lb|/ln2)``
 (``2^±54`` at ``lb = -5``) and depend on no token later than the row they scale (no future-gate
-leakage through rounding; FLA's KDA intra makes the same choice). Both off-diagonal factors are ``<= 1``.
+leakage through rounding; FLA's KDA intra makes the same choice). Off the diagonal the B operand
+``k̂_j 2^(R_I − Γ_j)`` is ``<= 1`` and underflows only where the true term is below ``2^-126``; the fp32
+accumulator carries ``2^SHIFT`` (``<= 2^119``, with l2-normalised q and k) until the combine takes it off.
+It is formed as ``K̂ ⊙ 2^(R_I − E_J)`` from ``K̂ = k̂ 2^(E_J − Γ)``, ``E_J = Γ_{16J+15}``.
 The host sends other gates to ``kda_fwd_intra`` (exact for any gate).
 
-One warpgroup (128 threads) per CTA, two CTAs per SM (~104 KB of shared memory each). With
+One warpgroup (128 threads) per CTA, two CTAs per SM (~112 KB of shared memory each). With
 ``WARPGROUPS = 2`` (opt-in; correct on the H200 but 15% slower, session 7) the same chunk runs on 256
 threads: phases 1-2 give each thread 4 rows, warpgroup 0 forms Akk and w, warpgroup 1 Aqk and u, and
 the inverse's products use all 256 threads (its 16x16 substitutions stay on warps 0-3). Phases:
@@ -29,10 +32,12 @@ the inverse's products use all 256 threads (its 16x16 substitutions stay on warp
      16-row block w. Gate transform, in-thread cumsum down its 8 rows, group totals via smem.
   2. pointwise: Γ, the reference factors, Ka = k̂ 2^(Γ−C), Qa = scale q̂ 2^(Γ−C), K̃ = k̂ 2^(C−Γ),
      K̂ = k̂ 2^(E−Γ), X = k̂ 2^Γ into swizzled smem operand tiles; qg, kgᵀ, gam straight to global.
-  3. wgmma: diagonal blocks ``Ka K̃ᵀ`` / ``Qa K̃ᵀ`` (SS, m64n64, 16 instructions); for each column block
-     J the off-diagonal rows ``(Ka ⊙ 2^(C_I − E_J)) K̂_Jᵀ`` (RS: each warp scales its own A rows, m64n16,
-     48 instructions). Combined in registers: the m64n16 fragment of block J is exactly the register
-     range 8J..8J+7 of the m64n64 fragment (same threads, same rows and columns).
+  3. all threads scale K̂ into the B'_I tiles (``B'_I = K̂ ⊙ 2^(R_I − E_J)``, rows j < 16 I, packed bf16);
+     wgmma: diagonal blocks ``Ka K̃ᵀ`` / ``Qa K̃ᵀ`` (SS, m64n64, 16 instructions) and for each row block
+     I ``Ka B'_Iᵀ`` / ``Qa B'_Iᵀ`` (SS, m64n(16 I), 48 instructions), of which warp I keeps its rows.
+     Combined in registers: the m64n(16 I) fragment is a prefix of the m64n64 one (same threads, rows
+     and columns). ``OFFDIAG_SMEM = False`` keeps the earlier path: each warp scales its own A rows by
+     ``2^(C_I − E_J)`` in registers for an RS m64n16 product per column block J.
   4. T = (I + Akk)^-1 in fp32: 16x16 diagonal blocks by substitution, then T_10, T_32 and the
      lower-left 32x32 by the doubling formula T_BA = −T_B A_BA T_A (its two 32x32 products on wgmma
      over a bf16 hi/lo split of the fp32 operands, ``INV_WGMMA``; the rest on the CUDA cores).
@@ -86,7 +91,8 @@ SMEM_PER_SM = 233472  # H100/H200: answers the DSL's device query on a CPU compi
 #: Scale the off-diagonal A rows with packed ``mul.bf16x2`` (factor rounded to bf16 first: one rounding
 #: more, which the torch model shows to be free, and ~900 fewer PTX instructions). On since its H200 A/B
 #: (session 5: tc-T1 / tc-varlen-33 / tc-lb11-strong pass with the same errors, stage 1 5-8% faster);
-#: ``CULA_KDA_TC_PACKED_OFFDIAG=0`` restores the fp32 scaling for A/B runs.
+#: ``CULA_KDA_TC_PACKED_OFFDIAG=0`` restores the fp32 scaling for A/B runs. Only the register path (see
+#: ``OFFDIAG_SMEM``) and the two-warpgroup variant read it.
 PACKED_OFFDIAG = __import__("os").environ.get("CULA_KDA_TC_PACKED_OFFDIAG", "1") == "1"
 #: Warpgroups per CTA. 2 (``CULA_KDA_TC_WARPGROUPS=2``) puts 16 warps per SM instead of 8 on the
 #: issue-bound kernel: each thread of phases 1-2 owns 4 rows instead of 8, warpgroup 0 forms Akk and w
@@ -110,8 +116,12 @@ PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
 #: per-(I, J) factor moves from the A rows (scaled in registers by warp I alone, so warp 3 scaled three
 #: blocks while warp 0 idled at each wgmma) to the B side, B'_I = K̂ ⊙ 2^(R_I − E_J) for the rows j < 16 I
 #: (R_I = Γ at row 16 I), formed by all threads in one balanced pass; then each row block I is one SS
-#: wgmma Ka B'_Iᵀ (N = 16 I) whose result carries 2^(R_I − C_I) = 2^shift, taken off in fp32.
-OFFDIAG_SMEM = __import__("os").environ.get("CULA_KDA_TC_OFFDIAG_SMEM", "0") == "1"
+#: wgmma Ka B'_Iᵀ (N = 16 I) whose result carries 2^(R_I − C_I) = 2^shift, taken off in fp32. 544 fewer
+#: SASS instructions (5,296), and no factor underflow where the true term is above 2^-126 (the A-side
+#: factor 2^(C_I − E_J) underflowed at lb = -11 for terms up to 2^-7). On by default since its H200 A/B
+#: (session 15: six checks pass with the register path's errors; stage 1 0.3-0.6% faster on the n20
+#: T4096 rows, flat at B2 T16384); ``CULA_KDA_TC_OFFDIAG_SMEM=0`` restores the register path.
+OFFDIAG_SMEM = __import__("os").environ.get("CULA_KDA_TC_OFFDIAG_SMEM", "1") == "1"
 SPLIT_PASSES = ((0, 0), (0, 1), (1, 0))  # (A part, B part) of each pass, 0 = hi, 1 = lo: lo·lo is dropped
 
 BF16 = cutlass.BFloat16
@@ -1238,6 +1248,9 @@ def compile_targets():
     from cula.kernels.sm90.kda_fwd_intra import fake_args
 
     def build(g_dtype, **flags):
+        # one warpgroup follows the default off-diagonal path (kda_fwd's choice) unless a target says
+        flags.setdefault("offdiag_smem", OFFDIAG_SMEM and flags.get("warpgroups", 1) == 1)
+
         def make():
             _compile_without_driver()
             return KdaFwdIntraTC(**flags), (*fake_args(cutlass.BFloat16, g_dtype, g_dtype), make_fake_stream())
@@ -1251,14 +1264,12 @@ def compile_targets():
         "plain_gva": build(cutlass.BFloat16, **{**full, "use_qk_l2norm": False, "has_a_log": False,
                                                  "has_dt_bias": False, "use_beta_sigmoid": False,
                                                  "allow_neg_eigval": True, "group": 2}),
-        "scalar_offdiag": build(cutlass.BFloat16, **full, packed_offdiag=False),
+        "scalar_offdiag": build(cutlass.BFloat16, **full, packed_offdiag=False, offdiag_smem=False),
+        "offdiag_rs": build(cutlass.BFloat16, **full, offdiag_smem=False),
         "simt_inverse": build(cutlass.BFloat16, **full, inv_wgmma=False),
         "prefetch": build(cutlass.BFloat16, **full, prefetch_ahead=132),
         "pdl_end": build(cutlass.BFloat16, **full, pdl_trigger="end"),
         "softplus_gate": build(cutlass.BFloat16, **full, softplus_gate=True),
-        "offdiag_smem": build(cutlass.BFloat16, **full, offdiag_smem=True),
-        "offdiag_smem_softplus_fp32_gate_gva": build(cutlass.Float32, **{**full, "group": 2}, softplus_gate=True,
-                                                     offdiag_smem=True),
         "softplus_fp32_gate_gva": build(cutlass.Float32, **{**full, "group": 2}, softplus_gate=True),
         "two_wg": build(cutlass.BFloat16, **full, warpgroups=2, inv_wgmma=False),
         "two_wg_fp32_gate_gva": build(cutlass.Float32, **{**full, "use_beta_sigmoid": False, "group": 2},
