@@ -23,7 +23,7 @@ accumulator carries ``2^SHIFT`` (``<= 2^119``, with l2-normalised q and k) until
 It is formed as ``K̂ ⊙ 2^(R_I − E_J)`` from ``K̂ = k̂ 2^(E_J − Γ)``, ``E_J = Γ_{16J+15}``.
 The host sends other gates to ``kda_fwd_intra`` (exact for any gate).
 
-One warpgroup (128 threads) per CTA, two CTAs per SM (~112 KB of shared memory each). With
+One warpgroup (128 threads) per CTA, two CTAs per SM (113 KB of shared memory each). With
 ``WARPGROUPS = 2`` (opt-in; correct on the H200 but 15% slower, session 7) the same chunk runs on 256
 threads: phases 1-2 give each thread 4 rows, warpgroup 0 forms Akk and w, warpgroup 1 Aqk and u, and
 the inverse's products use all 256 threads (its 16x16 substitutions stay on warps 0-3). Phases:
@@ -262,8 +262,8 @@ class KdaFwdIntraTC:
 
     def storage_class(self):
         """The kernel's shared memory (see the smem budget in kda_fwd.md). ``offdiag_smem``: the three B'_I
-        tiles (16, 32, 48 rows; 24 KB, contiguous) replace K̂ (12 KB) and the factors are bf16, 115 KB in
-        all, so two CTAs still fit an SM (2 x (115 + 1) KB of 228)."""
+        tiles (16, 32, 48 rows; 24 KB, contiguous) replace K̂ (12 KB) and the factors are bf16, 113 KB in
+        all, so two CTAs still fit an SM (2 x (113 + 1) KB: all of its 228)."""
         mr, al = cute.struct.MemRange, cute.struct.Align
         tile = al[mr[BF16, CHUNK * DK], 1024]
         fields = dict(sKa=tile, sQa=tile, sKt=tile)
