@@ -85,19 +85,16 @@ def test_without_a_lower_bound_the_diagonal_factor_overflows():
     assert not torch.isfinite(got).all()
 
 
-def test_offdiag_smem_shared_memory_fits_two_ctas():
-    """The B'_1..3 tiles (24 KB) replace K̂ (12 KB) and the factors become bf16: two CTAs per SM still fit
-    (the launch bound the kernel is compiled for), with the driver's 1 KB per CTA."""
+def test_stage1_shared_memory_fits_two_ctas():
+    """Stage 1's tiles (the B'_1..3 tiles of the off-diagonal blocks, 24 KB, among them) and bf16 factors:
+    two CTAs per SM fit (the launch bound the kernel is compiled for), with the driver's 1 KB per CTA.
+    115,712 B with the struct's 1 KB alignment, so two CTAs use the SM's 228 KB exactly: one more field
+    would drop the kernel to one CTA per SM."""
     pytest.importorskip("cutlass")
     from cula.kernels.sm90.kda_fwd_intra_tc import SMEM_PER_SM, KdaFwdIntraTC
 
     flags = dict(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
                  allow_neg_eigval=False, group=1)
-    reg = KdaFwdIntraTC(**flags).storage_class().size_in_bytes()
-    smem = KdaFwdIntraTC(**flags, offdiag_smem=True).storage_class().size_in_bytes()
-    # +12 KB of tiles, -1.5 KB of factors, the struct rounded to its 1 KB alignment: 115,712 B, and two CTAs
-    # use the SM's 228 KB exactly (one more field would drop the kernel to one CTA per SM)
-    assert smem - reg == 3 * 16 * 128 * 2 - 1024
+    smem = KdaFwdIntraTC(**flags).storage_class().size_in_bytes()
+    assert smem == 115712
     assert 2 * (smem + 1024) <= SMEM_PER_SM
-    with pytest.raises(AssertionError):
-        KdaFwdIntraTC(**flags, offdiag_smem=True, warpgroups=2, inv_wgmma=False)

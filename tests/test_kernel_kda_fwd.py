@@ -93,12 +93,10 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("recur_v2_state_smem_ht_only", True),
                                                ("intra_tc", True),
                                                ("intra_tc_fp32_gate", True), ("intra_tc_plain_gva", True),
-                                               ("intra_tc_scalar_offdiag", True), ("intra_tc_two_wg", True),
-                                               ("intra_tc_two_wg_fp32_gate_gva", True), ("intra_tc_simt_inverse", True),
+                                               ("intra_tc_simt_inverse", True),
                                                ("intra_tc_prefetch", True), ("intra_tc_pdl_end", True),
                                                ("intra_tc_softplus_gate", True),
-                                               ("intra_tc_softplus_fp32_gate_gva", True),
-                                               ("intra_tc_offdiag_rs", True)])
+                                               ("intra_tc_softplus_fp32_gate_gva", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -146,31 +144,22 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         assert rep.count("st.global.v4") >= 4 and rep.count("ld.shared.v4") >= 4  # o as 16-byte rows
         assert rep.count("ld.shared.v2.f32") >= 16  # γ from the stage (pairs of k)
     if target.startswith("intra_tc"):
-        two = "two_wg" in target
-        # 2 x 8 diagonal (m64n64) + 3 x 2 x 8 off-diagonal (m64n16, A from registers) + 2 x 4 (m64n128);
-        # with two warpgroups each runs one of the two products of phases 3 and 5 (half of them)
-        # the wgmma inverse step (the default with one warpgroup) adds 2 products x 3 hi/lo passes x 2
-        # k-blocks (m64n64k16, A from registers)
-        inv = 0 if two or target.endswith("simt_inverse") else 12
+        # 2 x 8 diagonal (m64n64) + 2 x 3 x 8 off-diagonal (m64n16 / n32 / n48) + 2 x 4 (m64n128); the
+        # wgmma inverse step (the default) adds 2 products x 3 hi/lo passes x 2 k-blocks (m64n64k16, A
+        # from registers)
+        inv = 0 if target.endswith("simt_inverse") else 12
         # every CTA lets stage 2 launch as soon as it is resident (one instruction, before anything else;
         # pdl_end: after its work, one instruction too)
         assert rep.count("griddepcontrol.launch_dependents") == 1
-        assert rep.count("wgmma.mma_async") == (36 if two else 72) + inv
+        assert rep.count("wgmma.mma_async") == 72 + inv
         assert rep.count("cp.async.bulk.tensor") == 5  # TMA stores: aqk, w and u (two 64-column boxes)
-        # 16-byte accesses: 4 (8) rows x q, k, v, g per thread
-        assert rep.count("ld.global.v4") >= (16 if two else 32) and rep.count("st.shared.v4") >= 24
-        # the packed off-diagonal scaling (the default) is one mul.bf16x2 per pair of columns (k and q
-        # rows), the fp32 one none
-        packed = rep.count("mul.bf16x2") + rep.count("mul.rn.bf16x2")
-        from cula.kernels.sm90.kda_fwd_intra_tc import OFFDIAG_SMEM
-
-        if OFFDIAG_SMEM and not two and not target.endswith(("scalar_offdiag", "offdiag_rs")):
-            # the factor on the B side: 12 vectors of 8 per thread (4 pairs each) form B'_1..3, and each
-            # row block's off-diagonal part is one SS product per A tile of N = 16, 32, 48 (8 k-steps)
-            assert packed == 48
-            assert [rep.count(f"m64n{n}k16") for n in (16, 32, 48)] == [16, 16, 16]
-        else:
-            assert packed == 0 if target.endswith("scalar_offdiag") else packed >= 96
+        # 16-byte accesses: 8 rows x q, k, v, g per thread
+        assert rep.count("ld.global.v4") >= 32 and rep.count("st.shared.v4") >= 24
+        # the off-diagonal factor on the B side: 12 vectors of 8 per thread (4 packed bf16 products each)
+        # form B'_1..3, and each row block's off-diagonal part is one SS product per A tile of N = 16, 32,
+        # 48 (8 k-steps)
+        assert rep.count("mul.bf16x2") + rep.count("mul.rn.bf16x2") == 48
+        assert [rep.count(f"m64n{n}k16") for n in (16, 32, 48)] == [16, 16, 16]
         # the later CTA's q, k (threads 0-63) or v, g (64-127) rows: 2 lines each (4 for an fp32 g); where
         # both branches have the same shape, ptxas merges them into one on selected addresses (4)
         from cula.kernels.sm90.kda_fwd_intra_tc import PREFETCH_AHEAD
@@ -181,21 +170,19 @@ def test_ptx_compiles_clean(target, needs_wgmma):
             assert n_pf in (lines, lines // 2), n_pf
         else:
             assert n_pf == 0
-        if two:  # 256 threads at 2 CTAs per SM: ptxas holds them to 128 registers
-            assert rep.max_registers <= 128
 
 
 def test_tc_layout_facts():
-    """The hand-made addressing of kda_fwd_intra_tc matches the DSL's layouts: the m64n16 fragments of
-    the off-diagonal blocks are register ranges of the m64n64 one, the A registers filled through the
-    m64n128 C coordinates are the RS operand's elements, and the operand tiles' swizzle is S<3,4,3>."""
+    """The hand-made addressing of kda_fwd_intra_tc matches the DSL's layouts: the m64n(16 I) fragments
+    of the off-diagonal products are prefixes of the m64n64 one, the B'_I rows are 16-byte vectors, the
+    RS A registers (a_operand_layout, the inverse's wgmma step) hold the operand's elements, and the
+    operand tiles' swizzle is S<3,4,3>."""
     pytest.importorskip("cutlass")
     from _layout_facts import layout_facts
 
     facts = layout_facts("cula.kernels.sm90.kda_fwd_intra_tc")
-    assert facts["combine_mismatches"] == 0
     assert facts["a_register_mismatches"] == 0
-    # offdiag_smem: the m64n(16 I) fragments are prefixes of the m64n64 one; B'_I rows as 16-byte vectors
+    # the m64n(16 I) fragments are prefixes of the m64n64 one; B'_I rows as 16-byte vectors
     assert facts["offdiag_prefix_mismatches"] == 0 and facts["offdiag_b_vector_mismatches"] == 0
     assert facts["x_is_a_transposed"] and facts["w_staging_is_a"]
     assert {v for k, v in facts.items() if k.startswith("swizzle_")} == {"S<3,4,3>"}
@@ -292,9 +279,8 @@ TC_CASES = [
 ]
 
 
-@pytest.mark.parametrize("packed", [False, True, "smem"], ids=["f32-scale", "packed-offdiag", "offdiag-smem"])
 @pytest.mark.parametrize("B,T,H,HV,cu,lb,a_scale,neg", TC_CASES)
-def test_tc_algorithm_matches_exact_stages(B, T, H, HV, cu, lb, a_scale, neg, packed):
+def test_tc_algorithm_matches_exact_stages(B, T, H, HV, cu, lb, a_scale, neg):
     """kda_fwd_intra_tc's algorithm (reference factors, block inverse, bf16 rounding points; torch model)
     gives the exact stage-1 scratch within bf16 error, also with gates saturated at lower_bound = -11,
     and for the unbounded softplus gate, which it clamps at SOFTPLUS_FLOOR (the exact one is unclamped)."""
@@ -311,8 +297,7 @@ def test_tc_algorithm_matches_exact_stages(B, T, H, HV, cu, lb, a_scale, neg, pa
     chunks, _, _ = kda_fwd.chunk_tables(cu_t)
     model = tc.emulate(*(x.bfloat16() for x in (qf, kf, vf, gf, bf)), chunks, 128 ** -0.5,
                        tc.SOFTPLUS_FLOOR if lb is None else lb, kw["A_log"], kw["dt_bias"], use_qk_l2norm=True,
-                       use_beta_sigmoid=True, allow_neg_eigval=neg, packed_offdiag=packed is True,
-                       softplus_gate=lb is None, offdiag_smem=packed == "smem")
+                       use_beta_sigmoid=True, allow_neg_eigval=neg, softplus_gate=lb is None)
     if lb is None and a_scale > 1:  # the case must reach the clamp, or it tests nothing new
         a = kw["A_log"].double().exp()[:, None]
         sp = torch.nn.functional.softplus(gf.double() + kw["dt_bias"].double().reshape(-1, 128))
@@ -364,21 +349,6 @@ def test_gpu_simt_inverse_step_matches_reference(name, monkeypatch):
     from cula.kernels.sm90 import kda_fwd_intra_tc as tc
 
     monkeypatch.setattr(tc, "INV_WGMMA", False)
-    case = next(c for c in chk.CASES if c[0] == name)
-    ok, errs = chk.check_case(case, torch.device("cuda"), None)
-    assert ok, errs
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("name", ["tc-T1", "tc-T65-gva-vfirst", "tc-varlen-zero", "tc-lb11-strong",
-                                  "tc-fp32-gate-plainbeta"])
-def test_gpu_two_warpgroup_stage1_matches_reference(name, monkeypatch):
-    """``WARPGROUPS = 2`` (opt-in): the same checks as the default stage 1, per scratch output."""
-    from cula.kernels.sm90 import kda_fwd_check as chk
-    from cula.kernels.sm90 import kda_fwd_intra_tc as tc
-
-    monkeypatch.setattr(tc, "WARPGROUPS", 2)
     case = next(c for c in chk.CASES if c[0] == name)
     ok, errs = chk.check_case(case, torch.device("cuda"), None)
     assert ok, errs

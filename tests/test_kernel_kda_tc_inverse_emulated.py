@@ -32,7 +32,7 @@ def _strictly_lower(seed: int, decay: float) -> torch.Tensor:
     return torch.tril(a, -1)
 
 
-def run_invert(a: torch.Tensor, warpgroups: int = 1) -> torch.Tensor:
+def run_invert(a: torch.Tensor) -> torch.Tensor:
     ns = {"cute": emu.cute, "cutlass": emu.cutlass, "F32": emu.cutlass.Float32}
     ns["_vec"] = emu.rebind(tc._vec, ns)
     invert = emu.rebind(tc.KdaFwdIntraTC.invert, ns)
@@ -44,11 +44,11 @@ def run_invert(a: torch.Tensor, warpgroups: int = 1) -> torch.Tensor:
         pass
 
     cfg = Cfg()
-    cfg.wgs, cfg.threads = warpgroups, tc.THREADS * warpgroups  # what KdaFwdIntraTC(warpgroups=...) sets
+    cfg.threads = tc.THREADS
     cfg._tile_product = lambda *args: tile(cfg, *args)
     cfg.diagonal_blocks = lambda *args: diagonal(cfg, *args)
-    # the fp32 SIMT lower-left block (two warpgroups, or INV_WGMMA=0); the default one-warpgroup kernel
-    # forms that block on wgmma, which the emulator cannot run: the GPU checks cover it
+    # the fp32 SIMT lower-left block (INV_WGMMA=0); the default kernel forms that block on wgmma, which
+    # the emulator cannot run: the GPU checks cover it
     cfg.inv_wgmma = False
     cfg.lower_left_simt = lambda *args: lower_left(cfg, *args)
     # the kernel's fp32 matrices: row pitch PAD; the upper triangle of A holds zeros (as the combine writes)
@@ -75,13 +75,13 @@ def run_invert(a: torch.Tensor, warpgroups: int = 1) -> torch.Tensor:
     return t_mem[:, :64]
 
 
-@pytest.mark.parametrize("seed,decay,warpgroups", [(0, 0.02, 1), (1, 0.5, 1), (3, 0.1, 2)])
-def test_invert_source_matches_the_exact_inverse(seed, decay, warpgroups):
-    """One warpgroup (the default) and two (``WARPGROUPS = 2``: the substitutions on warps 0-3, the
-    products on all 256 threads) compute the same T."""
+@pytest.mark.parametrize("seed,decay", [(0, 0.02), (1, 0.5), (3, 0.1)])
+def test_invert_source_matches_the_exact_inverse(seed, decay):
+    """The kernel's inverse source (substitutions, doubling products, the SIMT lower-left block) run by
+    the CPU emulator gives the exact T."""
     a = _strictly_lower(seed, decay)
     want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + a)
-    got = run_invert(a, warpgroups)
+    got = run_invert(a)
     # the kernel writes T on and below the diagonal blocks; the upper blocks of its sT are never read
     lower = torch.ones(64, 64, dtype=torch.bool).tril()
     blocks = (torch.arange(64)[:, None] // tc.SUB) >= (torch.arange(64)[None, :] // tc.SUB)

@@ -34,12 +34,6 @@ for s in $steps; do
     kda_check)  # stage 1 at 7acbd92 ran only tc-T65-gva-vfirst and the suite's rows
         step kda_check 120 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases tc-varlen-33,tc-T1000-negeig,tc-T1 ;;
-    packed)  # stage 1's packed off-diagonal scaling (off by default): check, then A/B splits
-        step kda_packed 120 env CULA_KDA_TC_PACKED_OFFDIAG=1 python3 -m cula.kernels.sm90.kda_fwd --check \
-            --no-bench --cases tc-T1,tc-varlen-33,tc-lb11-strong
-        step kda_split_base 100 python3 -m cula.kernels.sm90.kda_fwd --check --split all
-        step kda_split_packed 100 env CULA_KDA_TC_PACKED_OFFDIAG=1 python3 -m cula.kernels.sm90.kda_fwd \
-            --check --split all ;;
     round5)  # session 5: timer memory fix, decode host profile, dummy-chunk exit checks and splits
         step bench_gpu 45 python3 -m pytest -q -m gpu -p no:cacheprovider -rf -x tests/test_bench_gpu.py -k "not tiny"
         step decode_profile 45 python3 -m cula.kernels.sm90.decode_bench --profile
@@ -49,26 +43,17 @@ for s in $steps; do
     next)  # the state buffer through dispatch (docs/DEVICE.md: the checks session 12's ssm step's timeout cut)
         step ssm_check2 400 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases varlen-33,tc-varlen-33,tc-varlen-zero,tc-T65-gva-vfirst ;;
-    ncu)  # stage 1's stall reasons by instruction (session 6): full set on one B1 T4096 launch (WG=2: two warpgroups)
-        step ncu 200 env CULA_KDA_TC_WARPGROUPS=${WG:-1} ncu --clock-control none -k regex:intra_tc --launch-count 1 --set full \
+    ncu)  # stage 1's stall reasons by instruction (session 6): full set on one B1 T4096 launch
+        step ncu 200 ncu --clock-control none -k regex:intra_tc --launch-count 1 --set full \
             --import-source no -o "$OUT/intra_tc" python3 -m cula.kernels.sm90.kda_fwd_profile --stage intra
         ncu -i "$OUT/intra_tc.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
         ncu -i "$OUT/intra_tc.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
         ncu -i "$OUT/intra_tc.ncu-rep" --page source --csv --print-source ptx > "$OUT/ncu_ptx.csv" 2>&1
         grep -iE "warp cycles|eligible|issued|throughput|registers|occupancy" "$OUT/ncu_details.txt" | head -30
-        python3 -m cula.kernels.common.ncu_phases "$OUT/ncu_sass.csv" --warps $((4096 * 4 * ${WG:-1})) ;;
+        python3 -m cula.kernels.common.ncu_phases "$OUT/ncu_sass.csv" --warps $((4096 * 4)) ;;
     s6)  # session 6: leaner gate / exponent arguments in stage 1: checks, split, then the gradient API tests
         step kda_check 110 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-T65-gva-vfirst,tc-lb11-strong
         step kda_split 70 python3 -m cula.kernels.sm90.kda_fwd --check --split all ;;
-    twowg)  # stage 1 on two warpgroups (CULA_KDA_TC_WARPGROUPS=2, CPU-compiled only): checks, then A/B/A splits
-        step kda_check_2wg 180 env CULA_KDA_TC_WARPGROUPS=2 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
-            --cases tc-T1,tc-T65-gva-vfirst,tc-varlen-zero,tc-lb11-strong,tc-fp32-gate-plainbeta
-        # the one-warpgroup combine now goes through lower_value too (default PTX changed)
-        step kda_check_1wg 120 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
-            --cases tc-T65-gva-vfirst,tc-lb11-strong,tc-fp32-gate-plainbeta
-        for a in 1 2 1; do
-            step kda_split_wg$a 60 env CULA_KDA_TC_WARPGROUPS=$a python3 -m cula.kernels.sm90.kda_fwd --check --split all
-        done ;;
     persist)  # stage 2 (v2) as a persistent kernel: one CTA per SM walking (V tile, head, sequence) items
         step recur_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "gpu_recur_v2"
@@ -126,11 +111,6 @@ for s in $steps; do
     pfsweep)  # stage 1's L2 prefetch distance (CTAs ahead; 66 is the default since session 9): splits per distance
         for n in 66 33 99 16 66; do
             step kda_split_pf$n 60 env CULA_KDA_TC_PREFETCH=$n python3 -m cula.kernels.sm90.kda_fwd --check --split all
-        done ;;
-    twowg_small)  # stage 1 on two warpgroups for the short rows (< 2 waves: latency, not throughput, bound)
-        for w in 1 2 1; do
-            step kda_split_small_wg$w 60 env CULA_KDA_TC_WARPGROUPS=$w python3 -m cula.kernels.sm90.kda_fwd --check \
-                --split small
         done ;;
     pdl_long)  # why stage 2's programmatic launch slows long rows: trigger at start / end / none, all rows on
         step pdl_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
@@ -193,21 +173,6 @@ for s in $steps; do
         for a in 0 1 0 1; do
             step ssm_items$a 60 env CULA_KDA_RECUR_STATE_SMEM=$a python3 -m cula.kernels.sm90.kda_fwd --check \
                 --split items
-        done ;;
-    offdiag)  # session 15: stage 1's off-diagonal blocks on shared-memory operands (CULA_KDA_TC_OFFDIAG_SMEM=1):
-        # checks against the fp64 emulation (no FLA: its shapes cost minutes), then A / B / A / B splits
-        od_cases=tc-T1,tc-T65-gva-vfirst,tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero,tc-fp32-gate-plainbeta
-        step offdiag_check 240 env CULA_KDA_TC_OFFDIAG_SMEM=1 python3 -u -m cula.kernels.sm90.kda_fwd --check \
-            --no-bench --no-fla --cases $od_cases \
-            && for a in 0 1 0 1; do
-                step offdiag_split$a 150 env CULA_KDA_TC_OFFDIAG_SMEM=$a python3 -u -m cula.kernels.sm90.kda_fwd \
-                    --check --split worst
-            done ;;
-    prefetch_split)  # session 15: stage 1's L2 prefetch distance (CTAs ahead in launch order; 66 is the default
-        # since session 9, which left 33 / 99 untried): A / B / C / D / A splits, one compile per new distance
-        for p in 66 33 99 132 66; do
-            step prefetch_split_$p 150 env CULA_KDA_TC_PREFETCH=$p python3 -u -m cula.kernels.sm90.kda_fwd --check \
-                --split worst
         done ;;
     cp_gpu)  # session 13's CPU-only CP pieces (one GPU is enough): KDA in pieces bitwise, the CP emulation tests
         step kda_pieces 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_fwd_pieces.py

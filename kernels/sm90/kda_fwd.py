@@ -550,12 +550,9 @@ def kda_fwd(
         tc_flags = dict(use_qk_l2norm=True, has_a_log=A_log is not None, has_dt_bias=dt_bias is not None,
                         use_beta_sigmoid=bool(use_beta_sigmoid_in_kernel),
                         allow_neg_eigval=bool(allow_neg_eigval), group=HV // H,
-                        packed_offdiag=intra_tc.PACKED_OFFDIAG, warpgroups=intra_tc.WARPGROUPS,
-                        inv_wgmma=intra_tc.INV_WGMMA and intra_tc.WARPGROUPS == 1,
+                        inv_wgmma=intra_tc.INV_WGMMA,
                         pdl_trigger=recur.PDL_TRIGGER if recur.PDL and recur.PDL_TRIGGER != "none" else "",
                         prefetch_ahead=intra_tc.PREFETCH_AHEAD, softplus_gate=softplus_tc)
-        if intra_tc.OFFDIAG_SMEM and intra_tc.WARPGROUPS == 1:  # the default (CULA_KDA_TC_OFFDIAG_SMEM=0: A/B)
-            tc_flags.update(offdiag_smem=True)
         _launcher("intra_tc", (tuple(sorted(tc_flags.items())), dts), lambda: intra_tc.KdaFwdIntraTC(**tc_flags),
                   _intra_specs(*dts))(*intra_values)
     elif "intra" in stages:

@@ -23,10 +23,7 @@ accumulator carries ``2^SHIFT`` (``<= 2^119``, with l2-normalised q and k) until
 It is formed as ``K̂ ⊙ 2^(R_I − E_J)`` from ``K̂ = k̂ 2^(E_J − Γ)``, ``E_J = Γ_{16J+15}``.
 The host sends other gates to ``kda_fwd_intra`` (exact for any gate).
 
-One warpgroup (128 threads) per CTA, two CTAs per SM (113 KB of shared memory each). With
-``WARPGROUPS = 2`` (opt-in; correct on the H200 but 15% slower, session 7) the same chunk runs on 256
-threads: phases 1-2 give each thread 4 rows, warpgroup 0 forms Akk and w, warpgroup 1 Aqk and u, and
-the inverse's products use all 256 threads (its 16x16 substitutions stay on warps 0-3). Phases:
+One warpgroup (128 threads) per CTA, two CTAs per SM (113 KB of shared memory each). Phases:
   1. loads (16-byte, coalesced): q, k, v, g of the chunk; thread t owns rows 8(t/16)..+7 and columns
      8(t%16)..+7, so a row's 16 owners are one half-warp (row norms by shuffles) and warp w owns
      16-row block w. Gate transform, in-thread cumsum down its 8 rows, group totals via smem.
@@ -36,8 +33,8 @@ the inverse's products use all 256 threads (its 16x16 substitutions stay on warp
      wgmma: diagonal blocks ``Ka K̃ᵀ`` / ``Qa K̃ᵀ`` (SS, m64n64, 16 instructions) and for each row block
      I ``Ka B'_Iᵀ`` / ``Qa B'_Iᵀ`` (SS, m64n(16 I), 48 instructions), of which warp I keeps its rows.
      Combined in registers: the m64n(16 I) fragment is a prefix of the m64n64 one (same threads, rows
-     and columns). ``OFFDIAG_SMEM = False`` keeps the earlier path: each warp scales its own A rows by
-     ``2^(C_I − E_J)`` in registers for an RS m64n16 product per column block J.
+     and columns). (Until session 15 each warp scaled its own A rows by ``2^(C_I − E_J)`` in registers
+     for an RS m64n16 product per column block J: 544 SASS instructions more, warp 3 the laggard.)
   4. T = (I + Akk)^-1 in fp32: 16x16 diagonal blocks by substitution, then T_10, T_32 and the
      lower-left 32x32 by the doubling formula T_BA = −T_B A_BA T_A (its two 32x32 products on wgmma
      over a bf16 hi/lo split of the fp32 operands, ``INV_WGMMA``; the rest on the CUDA cores).
@@ -71,7 +68,7 @@ CTAS_PER_SM = 2  # ~104 KB smem and <= 255 registers each: two chunks in flight 
 PAD = CHUNK + 4  # fp32 row pitch of the 64x64 matrices of the inverse: 16-byte rows, rows 4 apart on other banks
 YPAD = 2 * SUB  # fp32 row pitch of the inverse's 32x32 scratch Y
 #: fp32 elements by which the padded 64x64 matrices overrun their 16 KB operand tiles (sA into sQa, sT into
-#: sKh); the inverse's scratch Y starts after sA's overrun
+#: sKb1); the inverse's scratch Y starts after sA's overrun
 INV_SPILL = CHUNK * PAD - CHUNK * DK // 2
 PAIRS = ((1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (3, 2))  # (I, J) off-diagonal block pairs, I > J
 RCP_LN2 = 1.0 / math.log(2.0)
@@ -88,18 +85,6 @@ SOFTPLUS_FLOOR = MIN_LOWER_BOUND
 SOFTPLUS_THRESHOLD = 20.0  # softplus(z) = z above it, as torch's and FLA's
 LOG2E = 1.0 / math.log(2.0)
 SMEM_PER_SM = 233472  # H100/H200: answers the DSL's device query on a CPU compile
-#: Scale the off-diagonal A rows with packed ``mul.bf16x2`` (factor rounded to bf16 first: one rounding
-#: more, which the torch model shows to be free, and ~900 fewer PTX instructions). On since its H200 A/B
-#: (session 5: tc-T1 / tc-varlen-33 / tc-lb11-strong pass with the same errors, stage 1 5-8% faster);
-#: ``CULA_KDA_TC_PACKED_OFFDIAG=0`` restores the fp32 scaling for A/B runs. Only the register path (see
-#: ``OFFDIAG_SMEM``) and the two-warpgroup variant read it.
-PACKED_OFFDIAG = __import__("os").environ.get("CULA_KDA_TC_PACKED_OFFDIAG", "1") == "1"
-#: Warpgroups per CTA. 2 (``CULA_KDA_TC_WARPGROUPS=2``) puts 16 warps per SM instead of 8 on the
-#: issue-bound kernel: each thread of phases 1-2 owns 4 rows instead of 8, warpgroup 0 forms Akk and w
-#: while warpgroup 1 forms Aqk and u, the inverse's 16x16 substitutions stay on warpgroup 0 while its
-#: products use all 256 threads, and ptxas holds each thread to 128 registers. On the H200 it passes the
-#: checks but stage 1 is 15% slower (B1 T16384 1.077 -> 1.242 ms): ~28% more instructions per chunk.
-WARPGROUPS = int(__import__("os").environ.get("CULA_KDA_TC_WARPGROUPS", "1"))
 #: Step 3 of the inverse (the lower-left 32x32 block: 512 FMA and ~110 shared loads per thread on the
 #: CUDA cores) as two wgmma products on a bf16 hi/lo split of each fp32 operand (three passes:
 #: hi·hi + hi·lo + lo·hi, ~2^-17 relative against fp32's 2^-24; T' is rounded to bf16 right after).
@@ -112,16 +97,14 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: 2.29x -> 2.39x). Session 6's TMA bulk prefetch of the same rows was 1-12% slower (the per-thread form
 #: also won over the bulk one in stage 2, session 8). ``CULA_KDA_TC_PREFETCH`` sets it for A/B runs.
 PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
-#: The off-diagonal blocks of Akk and Aqk on shared-memory operands (``CULA_KDA_TC_OFFDIAG_SMEM=1``): the
-#: per-(I, J) factor moves from the A rows (scaled in registers by warp I alone, so warp 3 scaled three
-#: blocks while warp 0 idled at each wgmma) to the B side, B'_I = K̂ ⊙ 2^(R_I − E_J) for the rows j < 16 I
-#: (R_I = Γ at row 16 I), formed by all threads in one balanced pass; then each row block I is one SS
-#: wgmma Ka B'_Iᵀ (N = 16 I) whose result carries 2^(R_I − C_I) = 2^shift, taken off in fp32. 544 fewer
-#: SASS instructions (5,296), and no factor underflow where the true term is above 2^-126 (the A-side
-#: factor 2^(C_I − E_J) underflowed at lb = -11 for terms up to 2^-7). On by default since its H200 A/B
-#: (session 15: six checks pass with the register path's errors; stage 1 0.3-0.6% faster on the n20
-#: T4096 rows, flat at B2 T16384); ``CULA_KDA_TC_OFFDIAG_SMEM=0`` restores the register path.
-OFFDIAG_SMEM = __import__("os").environ.get("CULA_KDA_TC_OFFDIAG_SMEM", "1") == "1"
+# The off-diagonal blocks of Akk and Aqk are formed on shared-memory operands (session 15): the per-(I, J)
+# factor sits on the B side, B'_I = K̂ ⊙ 2^(R_I − E_J) for the rows j < 16 I (R_I = Γ at row 16 I), formed
+# by all threads in one balanced pass; each row block I is then one SS wgmma Ka B'_Iᵀ (N = 16 I) whose
+# result carries 2^(R_I − C_I) = 2^shift, taken off in fp32. Against the earlier path (each warp scaled its
+# own A rows in registers, so warp 3 scaled three blocks while warp 0 waited at each wgmma): 544 fewer
+# SASS instructions, and no factor underflow where the true term is above 2^-126 (the A-side factor
+# 2^(C_I − E_J) underflowed at lb = -11 for terms up to 2^-7). H200 A/B: six checks with the same errors,
+# stage 1 0.3-0.6% faster on the n20 T4096 rows, flat at B2 T16384 (kda_fwd.md, session 15).
 SPLIT_PASSES = ((0, 0), (0, 1), (1, 0))  # (A part, B part) of each pass, 0 = hi, 1 = lo: lo·lo is dropped
 
 BF16 = cutlass.BFloat16
@@ -144,21 +127,14 @@ class KdaFwdIntraTC:
         use_beta_sigmoid: bool,
         allow_neg_eigval: bool,
         group: int,
-        packed_offdiag: bool = True,
-        warpgroups: int = 1,
         inv_wgmma: bool = True,
         pdl_trigger: str = "start",
         prefetch_ahead: int = PREFETCH_AHEAD,
         softplus_gate: bool = False,
-        offdiag_smem: bool = False,
     ):
-        assert warpgroups in (1, 2), warpgroups
-        assert not (offdiag_smem and warpgroups != 1), "the shared-memory off-diagonal path is one warpgroup's"
-        self.offdiag_smem = offdiag_smem
         # False: the lower-bounded sigmoid gate lb * sigmoid(exp(A_log) (x + dt_bias)); True: the softplus
         # gate, clamped at the runtime lower_bound (SOFTPLUS_FLOOR)
         self.softplus_gate = softplus_gate
-        assert not (inv_wgmma and warpgroups != 1), "the wgmma inverse step is written for one warpgroup"
         self.inv_wgmma = inv_wgmma
         # when to signal griddepcontrol.launch_dependents: "start" (on entry: stage 2, launched with
         # programmatic dependent launch, may start once every CTA of this grid is resident, i.e. during
@@ -167,11 +143,8 @@ class KdaFwdIntraTC:
         self.pdl_trigger = pdl_trigger
         self.prefetch_ahead = prefetch_ahead  # CTAs ahead whose inputs this CTA asks L2 for (0: none)
         self.use_qk_l2norm = use_qk_l2norm
-        self.packed_offdiag = packed_offdiag
-        # 2: the chunk on two warpgroups (see WARPGROUPS); the element-wise phases give each thread 4 rows
-        self.wgs = warpgroups
-        self.threads = THREADS * warpgroups
-        self.rpt = ROWS_PER_THREAD // warpgroups  # rows per thread in phases 1-2
+        self.threads = THREADS
+        self.rpt = ROWS_PER_THREAD  # rows per thread in phases 1-2
         self.groups = CHUNK // self.rpt  # row groups of rpt rows (16 threads each)
         self.gpb = SUB // self.rpt  # row groups per 16-row block
         self.has_a_log = has_a_log
@@ -214,7 +187,6 @@ class KdaFwdIntraTC:
         # operand tiles (swizzled wgmma canonical layouts; see the smem budget in kda_fwd.md)
         self.a_layout = sm90_utils.make_smem_layout_a(kmaj, (CHUNK, CHUNK, DK), BF16, 1)  # Ka, Qa [64, 128]
         self.kt_layout = sm90_utils.make_smem_layout_b(kmaj, (CHUNK, CHUNK, DK), BF16, 1)  # K̃ [64 tok, 128]
-        self.kh_layout = sm90_utils.make_smem_layout_b(kmaj, (CHUNK, SUB, DK), BF16, NBLK - 1)  # K̂_J [16, 128] x3
         self.x_layout = sm90_utils.make_smem_layout_b(mnmaj, (CHUNK, DV, CHUNK), BF16, 1)  # X, v: (d, tok)
         self.tb_layout = sm90_utils.make_smem_layout_a(kmaj, (CHUNK, DV, CHUNK), BF16, 1)  # T' [64, 64]
         # output staging for the TMA stores: the layouts kda_fwd_recur's TMA loads read back
@@ -235,16 +207,10 @@ class KdaFwdIntraTC:
         mnmode = warpgroup.OperandMajorMode.MN
         # diagonal blocks: A = Ka / Qa (smem), B = K̃ (smem)                     [64 i, 64 j]
         mma_diag = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, kmode, F32, (1, 1, 1), (CHUNK, CHUNK))
-        # off-diagonal column block J: A = per-warp scaled Ka / Qa (registers), B = K̂_J   [64 i, 16 j]
-        mma_off = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, kmode, F32, (1, 1, 1), (CHUNK, SUB),
-                                                    warpgroup.OperandSource.RMEM)
-        # offdiag_smem: row block I's off-diagonal part, A = Ka / Qa, B = B'_I (smem)  [64 i, 16 I j]
-        kb_layouts = [self.kh_layout] * 3
-        mma_offs = [mma_off] * 3
-        if cutlass.const_expr(self.offdiag_smem):
-            kb_layouts = [sm90_utils.make_smem_layout_b(kmaj, (CHUNK, SUB * ib, DK), BF16, 1) for ib in (1, 2, 3)]
-            mma_offs = [sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, kmode, F32, (1, 1, 1), (CHUNK, SUB * ib))
-                        for ib in (1, 2, 3)]
+        # row block I's off-diagonal part: A = Ka / Qa (smem), B = B'_I, rows j < 16 I (smem)  [64 i, 16 I j]
+        kb_layouts = [sm90_utils.make_smem_layout_b(kmaj, (CHUNK, SUB * ib, DK), BF16, 1) for ib in (1, 2, 3)]
+        mma_offs = [sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, kmode, F32, (1, 1, 1), (CHUNK, SUB * ib))
+                    for ib in (1, 2, 3)]
         # w = T' X and u = T' v: A = T' (smem), B = X / v with d contiguous             [64 i, 128 d]
         mma_wu = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, mnmode, F32, (1, 1, 1), (CHUNK, DK))
 
@@ -261,21 +227,16 @@ class KdaFwdIntraTC:
                  smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=CTAS_PER_SM)
 
     def storage_class(self):
-        """The kernel's shared memory (see the smem budget in kda_fwd.md). ``offdiag_smem``: the three B'_I
-        tiles (16, 32, 48 rows; 24 KB, contiguous) replace K̂ (12 KB) and the factors are bf16, 113 KB in
-        all, so two CTAs still fit an SM (2 x (113 + 1) KB: all of its 228)."""
+        """The kernel's shared memory (see the smem budget in kda_fwd.md): the three B'_I tiles (16, 32, 48
+        rows; 24 KB, contiguous: the inverse's sT overruns into the first, the Aqk staging follows) and bf16
+        factors, 113 KB in all, so two CTAs fit an SM (2 x (113 + 1) KB: all of its 228)."""
         mr, al = cute.struct.MemRange, cute.struct.Align
         tile = al[mr[BF16, CHUNK * DK], 1024]
-        fields = dict(sKa=tile, sQa=tile, sKt=tile)
-        if self.offdiag_smem:
-            fields.update(sKh=al[mr[BF16, SUB * DK], 1024], sKb2=al[mr[BF16, 2 * SUB * DK], 1024],
-                          sKb3=al[mr[BF16, 3 * SUB * DK], 1024])
-        else:
-            fields.update(sKh=al[mr[BF16, (NBLK - 1) * SUB * DK], 1024])
-        fields.update(sX=tile, sV=al[mr[BF16, CHUNK * DV], 1024],
+        fields = dict(sKa=tile, sQa=tile, sKt=tile, sKb1=al[mr[BF16, SUB * DK], 1024],
+                      sKb2=al[mr[BF16, 2 * SUB * DK], 1024], sKb3=al[mr[BF16, 3 * SUB * DK], 1024],
+                      sX=tile, sV=al[mr[BF16, CHUNK * DV], 1024],
                       sTot=al[mr[F32, (self.groups + 1) * DK], 16], sFirst=al[mr[F32, NBLK * DK], 16],
-                      sC=al[mr[BF16 if self.offdiag_smem else F32, len(PAIRS) * DK], 16],
-                      sBeta=al[mr[F32, CHUNK], 16])
+                      sC=al[mr[BF16, len(PAIRS) * DK], 16], sBeta=al[mr[F32, CHUNK], 16])
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ---------------------------------------------------------------------------- device side --
@@ -300,13 +261,13 @@ class KdaFwdIntraTC:
         tma_aqk: cute.CopyAtom,
         tAqk: cute.Tensor,
         mma_diag: cute.TiledMma,
-        mma_off: cute.TiledMma,
+        mma_off1: cute.TiledMma,
         mma_off2: cute.TiledMma,
         mma_off3: cute.TiledMma,
         mma_wu: cute.TiledMma,
         a_layout: cute.ComposedLayout,
         kt_layout: cute.ComposedLayout,
-        kh_layout: cute.ComposedLayout,
+        kb1_layout: cute.ComposedLayout,
         kb2_layout: cute.ComposedLayout,
         kb3_layout: cute.ComposedLayout,
         x_layout: cute.ComposedLayout,
@@ -327,8 +288,8 @@ class KdaFwdIntraTC:
         if chunks[chunk, 1] > 0:
             self.chunk_body(
                 pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW,
-                tma_u, tU, tma_aqk, tAqk, mma_diag, mma_off, mma_off2, mma_off3, mma_wu, a_layout, kt_layout,
-                kh_layout, kb2_layout, kb3_layout, x_layout, tb_layout, w_layout, aqk_layout, H, HV, NC, scale,
+                tma_u, tU, tma_aqk, tAqk, mma_diag, mma_off1, mma_off2, mma_off3, mma_wu, a_layout, kt_layout,
+                kb1_layout, kb2_layout, kb3_layout, x_layout, tb_layout, w_layout, aqk_layout, H, HV, NC, scale,
                 lower_bound,
             )
         if cutlass.const_expr(self.pdl_trigger == "end"):
@@ -359,10 +320,9 @@ class KdaFwdIntraTC:
                             prefetch_line_l2(p + (tok * HV + hv_n) * d + ln * (LINE_BYTES * 8 // p.dtype.width))
 
     @cute.jit
-    def column_pass(self, sTot: cute.Tensor, sFirst: cute.Tensor, sC: cute.Tensor, shift, col):
+    def column_pass(self, sTot: cute.Tensor, sFirst: cute.Tensor, sC: cute.Tensor, col):
         """Thread = key column ``col``: the group totals' exclusive prefix in place (the chunk total in
-        row ``groups``) and the off-diagonal factors ``2^(C_I − E_J)`` of that column (``offdiag_smem``:
-        ``2^(R_I − E_J)`` in bf16, the B side's)."""
+        row ``groups``) and the off-diagonal factors ``2^(R_I − E_J)`` of that column (bf16, <= 1)."""
         gpb = self.gpb
         tot_col = cute.make_rmem_tensor(cute.make_layout(self.groups + 1), F32)  # exclusive prefix by group
         tot_col[0] = F32(0.0)
@@ -372,35 +332,17 @@ class KdaFwdIntraTC:
             ib, jb = PAIRS[p]
             r_i = tot_col[gpb * ib] + sFirst[ib, col]  # R_I: Γ at row 16 I
             e_j = tot_col[gpb * jb + gpb]
-            if cutlass.const_expr(self.offdiag_smem):
-                sC[p, col] = BF16(cute.math.exp2(r_i - e_j, fastmath=True))  # 2^(R_I − E_J) <= 1
-            else:
-                sC[p, col] = cute.math.exp2(r_i - shift - e_j, fastmath=True)  # 2^(C_I − E_J)
+            sC[p, col] = BF16(cute.math.exp2(r_i - e_j, fastmath=True))
         for gq in cutlass.range_constexpr(self.groups + 1):
             sTot[gq, col] = tot_col[gq]
 
     @cute.jit
-    def lower_value(self, e: cutlass.Constexpr, i, j, acc_diag: cute.Tensor, acc_off: list, wl, incl,
-                    per_blk: cutlass.Constexpr):
-        """Value ``e`` (row i, column j) of a product's lower part as this thread holds it: from the
-        off-diagonal block accumulator when the warp's row block is below column block J, from the
-        diagonal product on the block diagonal where ``j < i + incl``, zero elsewhere."""
-        jb = e // per_blk
-        v = F32(0.0)
-        if cutlass.const_expr(jb < NBLK - 1):
-            if wl > jb:
-                v = acc_off[jb][e % per_blk]
-        if wl == jb:
-            if j < i + incl:
-                v = acc_diag[e]
-        return v
-
-    @cute.jit
-    def lower_value_b(self, e: cutlass.Constexpr, i, j, acc_diag: cute.Tensor, acc_rows: list, wl, incl,
-                      per_blk: cutlass.Constexpr, unshift):
-        """:meth:`lower_value` of the ``offdiag_smem`` path: below the block diagonal, value ``e`` of
-        row block ``wl``'s own m64n(16 wl) product (its fragment is a prefix of the m64n64 one), times
-        ``unshift``."""
+    def lower_value(self, e: cutlass.Constexpr, i, j, acc_diag: cute.Tensor, acc_rows: list, wl, incl,
+                    per_blk: cutlass.Constexpr, unshift):
+        """Value ``e`` (row i, column j) of a product's lower part as this thread holds it: below the block
+        diagonal value ``e`` of row block ``wl``'s own m64n(16 wl) product (its fragment is a prefix of
+        the m64n64 one) times ``unshift``, on the block diagonal the diagonal product's where
+        ``j < i + incl``, zero elsewhere."""
         jb = e // per_blk
         v = F32(0.0)
         if cutlass.const_expr(jb < NBLK - 1):
@@ -415,7 +357,7 @@ class KdaFwdIntraTC:
 
     @cute.jit
     def offdiag_b(self, sC: cute.Tensor, kb_raws: tuple, kb_layouts: tuple, tidx):
-        """``offdiag_smem``: B'_I = K̂ ⊙ 2^(R_I − E_J) for the rows j < 16 I of the B'_I tiles, from K̂ in
+        """B'_I = K̂ ⊙ 2^(R_I − E_J) for the rows j < 16 I of the B'_I tiles, from K̂ in
         B'_3's rows (B'_3 scaled in place). Thread t: column chunk t % 16, rows t // 16 and + 8 of each
         block J < 3, so every thread forms 2 x (3 + 2 + 1) vectors of 8 (packed bf16 products)."""
         c8 = (tidx % (DK // COLS_PER_THREAD)) * COLS_PER_THREAD
@@ -454,13 +396,13 @@ class KdaFwdIntraTC:
         tma_aqk: cute.CopyAtom,
         tAqk: cute.Tensor,
         mma_diag: cute.TiledMma,
-        mma_off: cute.TiledMma,
+        mma_off1: cute.TiledMma,
         mma_off2: cute.TiledMma,
         mma_off3: cute.TiledMma,
         mma_wu: cute.TiledMma,
         a_layout: cute.ComposedLayout,
         kt_layout: cute.ComposedLayout,
-        kh_layout: cute.ComposedLayout,
+        kb1_layout: cute.ComposedLayout,
         kb2_layout: cute.ComposedLayout,
         kb3_layout: cute.ComposedLayout,
         x_layout: cute.ComposedLayout,
@@ -477,18 +419,10 @@ class KdaFwdIntraTC:
         chunk, hv, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
-        grp = tidx // 16  # row group: rows rpt grp .. + rpt - 1 (one warpgroup: block grp // 2 = warp)
+        grp = tidx // 16  # row group: rows rpt grp .. + rpt - 1 (block grp // 2 = warp)
         d0 = (tidx % 16) * COLS_PER_THREAD  # first of the 8 columns this thread owns
         r0 = grp * self.rpt
         rpt = self.rpt
-        # this thread's warpgroup, its warp's 16-row block of an m64 wgmma tile, its index in the warpgroup
-        wg = 0
-        wl = warp
-        tidw = tidx
-        if cutlass.const_expr(self.wgs == 2):
-            wg = warp // 4
-            wl = warp % 4
-            tidw = tidx % THREADS
         hq = hv // self.group
         chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
         tok0 = chunks[chunk, 0]
@@ -501,7 +435,6 @@ class KdaFwdIntraTC:
         sKa = st.sKa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sQa = st.sQa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sKt = st.sKt.get_tensor(kt_layout.outer, swizzle=kt_layout.inner)
-        sKh = st.sKh.get_tensor(kh_layout.outer, swizzle=kh_layout.inner)
         sX = st.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
         sV = st.sV.get_tensor(x_layout.outer, swizzle=x_layout.inner)
         # group totals of g (phase 1), then their exclusive prefix by group plus the chunk total in row
@@ -511,7 +444,7 @@ class KdaFwdIntraTC:
         sC = st.sC.get_tensor(cute.make_layout((len(PAIRS), DK), stride=(DK, 1)))
         sBeta = st.sBeta.get_tensor(cute.make_layout(CHUNK))
         # after the products of phase 3 the operand tiles are dead: the inverse and the aqk staging
-        # reuse them (sA overruns 1 KB into sQa, Y follows; sT 1 KB into sKh, before the aqk staging at 2 KB)
+        # reuse them (sA overruns 1 KB into sQa, Y follows; sT 1 KB into sKb1, before the aqk staging at 2 KB)
         f32_base_ka = cute.recast_ptr(st.sKa.data_ptr(), dtype=F32)
         f32_base_qa = cute.recast_ptr(st.sQa.data_ptr(), dtype=F32)
         f32_base_kt = cute.recast_ptr(st.sKt.data_ptr(), dtype=F32)
@@ -520,21 +453,18 @@ class KdaFwdIntraTC:
         sY = cute.make_tensor(f32_base_qa + INV_SPILL, cute.make_layout((2 * SUB, 2 * SUB), stride=(YPAD, 1)))
         tb_raw = st.sQa.data_ptr() + CHUNK * DK // 2  # 8 KB into sQa: 1024-byte aligned
         sTb = _tile(tb_raw, tb_layout)
-        sAqk = _tile(st.sKh.data_ptr() + 2 * 1024, aqk_layout)
-        # offdiag_smem: B'_1 is the sKh tile; B'_2, B'_3 follow it (K̂ itself lands in B'_3's rows)
-        kb_raws = (st.sKh.data_ptr(), st.sKh.data_ptr(), st.sKh.data_ptr())
-        kb_tiles = (sKh, sKh, sKh)
-        if cutlass.const_expr(self.offdiag_smem):
-            kb_raws = (st.sKh.data_ptr(), st.sKb2.data_ptr(), st.sKb3.data_ptr())
-            kb_tiles = (sKh, st.sKb2.get_tensor(kb2_layout.outer, swizzle=kb2_layout.inner),
-                        st.sKb3.get_tensor(kb3_layout.outer, swizzle=kb3_layout.inner))
+        sAqk = _tile(st.sKb1.data_ptr() + 2 * 1024, aqk_layout)
+        # B'_1..3 (K̂ itself lands in B'_3's rows, which hold blocks 0-2)
+        kb_raws = (st.sKb1.data_ptr(), st.sKb2.data_ptr(), st.sKb3.data_ptr())
+        kb_tiles = (st.sKb1.get_tensor(kb1_layout.outer, swizzle=kb1_layout.inner),
+                    st.sKb2.get_tensor(kb2_layout.outer, swizzle=kb2_layout.inner),
+                    st.sKb3.get_tensor(kb3_layout.outer, swizzle=kb3_layout.inner))
         sWst = st.sX.get_tensor(w_layout.outer, swizzle=w_layout.inner)
         sUst = st.sV.get_tensor(w_layout.outer, swizzle=w_layout.inner)
         # unswizzled tile starts, for the 16-byte vector accesses of the pointwise phases
         ka_raw = st.sKa.data_ptr()
         qa_raw = st.sQa.data_ptr()
         kt_raw = st.sKt.data_ptr()
-        kh_raw = st.sKh.data_ptr()
         x_raw = st.sX.data_ptr()
         v_raw = st.sV.data_ptr()
 
@@ -636,16 +566,12 @@ class KdaFwdIntraTC:
 
         # ============================================ phase 2: reference factors and operand tiles
         shift = lower_bound * F32(-7.5 * RCP_LN2)  # half of a block's largest gate range (log2)
-        blk = grp // self.gpb  # this thread's 16-row block (= warp with one warpgroup)
-        kblk = warp if cutlass.const_expr(self.wgs == 1) else blk
+        blk = grp // self.gpb  # this thread's 16-row block (= warp)
+        kblk = warp
         # column pass (thread = column tidx): the group totals' exclusive prefix in place, the chunk total
         # in row groups, and the off-diagonal factors 2^(C_I − E_J); then every thread reads the few
         # prefixes it needs as 16-byte vectors (instead of selecting them out of a 64-step scan)
-        if cutlass.const_expr(self.wgs == 1):
-            self.column_pass(sTot, sFirst, sC, shift, tidx)
-        else:
-            if tidx < DK:
-                self.column_pass(sTot, sFirst, sC, shift, tidx)
+        self.column_pass(sTot, sFirst, sC, tidx)
         cute.arch.sync_threads()
         pre = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # Γ before row 8 grp
         cref = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # C_blk
@@ -710,10 +636,7 @@ class KdaFwdIntraTC:
             _st8(kt_layout, kt_raw, (r, d0, 0), obf)
             if kblk < NBLK - 1:  # K̂ of block 3 is never a B operand
                 obf.store(kh.load().to(BF16))
-                if cutlass.const_expr(self.offdiag_smem):
-                    _st8(kb3_layout, kb_raws[2], (r, d0, 0), obf)
-                else:
-                    _st8(kh_layout, kh_raw, (r % SUB, d0, kblk), obf)
+                _st8(kb3_layout, kb_raws[2], (r, d0, 0), obf)
             obf.store(xx.load().to(BF16))
             _st8(x_layout, x_raw, (d0, r, 0), obf)
             obf.store(qg.load().to(BF16))
@@ -729,130 +652,49 @@ class KdaFwdIntraTC:
             _vec(pGam, (hv * NC + chunk) * DK + d0, COLS_PER_THREAD).store(gam_out.load())
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
-        if cutlass.const_expr(self.offdiag_smem):
-            self.offdiag_b(sC, kb_raws, (kh_layout, kb2_layout, kb3_layout), tidx)
-            cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-            cute.arch.sync_threads()
+        self.offdiag_b(sC, kb_raws, (kb1_layout, kb2_layout, kb3_layout), tidx)
+        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+        cute.arch.sync_threads()
 
         # ================================================================ phase 3: Akk, Aqk on wgmma
-        # one warpgroup forms both products; with two, warpgroup 0 forms Akk and warpgroup 1 Aqk (Qa's
-        # tile follows Ka's by 16 KB, so its A operand is Ka's tile moved by wg tiles)
-        if cutlass.const_expr(self.wgs == 1):
-            a_tiles = (sKa, sQa)
-            a_raws = (ka_raw, qa_raw)
-        else:
-            ax_raw = ka_raw + cute.assume(wg * (CHUNK * DK), divby=CHUNK * DK)
-            a_tiles = (_tile(ax_raw, a_layout),)
-            a_raws = (ax_raw,)
+        a_tiles = (sKa, sQa)
         nprod = len(a_tiles)
-        thr_d = mma_diag.get_slice(tidw)
+        thr_d = mma_diag.get_slice(tidx)
         tA_d = [thr_d.make_fragment_A(thr_d.partition_A(t)) for t in a_tiles]
         tBkt = thr_d.make_fragment_B(thr_d.partition_B(sKt))
         acc_d = [thr_d.make_fragment_C(thr_d.partition_shape_C((CHUNK, CHUNK))) for _ in a_tiles]
         warpgroup.fence()
         for x in cutlass.range_constexpr(nprod):
             _gemm_ss(mma_diag, acc_d[x], tA_d[x], tBkt)
-        acc_ob = [[] for _ in a_tiles]  # offdiag_smem: [product][row block I - 1], m64n(16 I)
-        if cutlass.const_expr(self.offdiag_smem):
-            # row block I's off-diagonal part is rows 16 I.. of Ka B'_Iᵀ (the other rows are never read)
-            for ib in cutlass.range_constexpr(1, NBLK):
-                mma_i = (mma_off, mma_off2, mma_off3)[ib - 1]
-                thr_i = mma_i.get_slice(tidw)
-                tB_i = thr_i.make_fragment_B(thr_i.partition_B(kb_tiles[ib - 1]))
-                for x in cutlass.range_constexpr(nprod):
-                    tA_i = thr_i.make_fragment_A(thr_i.partition_A(a_tiles[x]))
-                    acc_i = thr_i.make_fragment_C(thr_i.partition_shape_C((CHUNK, SUB * ib)))
-                    _gemm_ss(mma_i, acc_i, tA_i, tB_i)
-                    acc_ob[x].append(acc_i)
+        acc_ob = [[] for _ in a_tiles]  # [product][row block I - 1], m64n(16 I)
+        # row block I's off-diagonal part is rows 16 I.. of Ka B'_Iᵀ (the other rows are never read)
+        for ib in cutlass.range_constexpr(1, NBLK):
+            mma_i = (mma_off1, mma_off2, mma_off3)[ib - 1]
+            thr_i = mma_i.get_slice(tidx)
+            tB_i = thr_i.make_fragment_B(thr_i.partition_B(kb_tiles[ib - 1]))
+            for x in cutlass.range_constexpr(nprod):
+                tA_i = thr_i.make_fragment_A(thr_i.partition_A(a_tiles[x]))
+                acc_i = thr_i.make_fragment_C(thr_i.partition_shape_C((CHUNK, SUB * ib)))
+                _gemm_ss(mma_i, acc_i, tA_i, tB_i)
+                acc_ob[x].append(acc_i)
         warpgroup.commit_group()
-        if cutlass.const_expr(self.offdiag_smem):
-            warpgroup.wait_group(0)
+        warpgroup.wait_group(0)
 
-        thr_wu = mma_wu.get_slice(tidw)
-        acc_o = [[] for _ in a_tiles]  # [product][column block J] (the register-scaled path)
-        if cutlass.const_expr(not self.offdiag_smem):
-            thr_o = mma_off.get_slice(tidw)
-            tBkh = thr_o.make_fragment_B(thr_o.partition_B(sKh))  # (MMA, 1, 8, 3)
-            # A registers of a K = 128 operand, addressed through the C fragment of an m64n128 product
-            c128 = thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK)))
-            cA = thr_wu.partition_C(cute.make_identity_tensor((CHUNK, DK)))  # (row i, column d) per value
-            for jb in cutlass.range_constexpr(NBLK - 1):
-                for x in cutlass.range_constexpr(nprod):
-                    acc_o[x].append(thr_o.make_fragment_C(thr_o.partition_shape_C((CHUNK, SUB))))
-            for jb in cutlass.range_constexpr(NBLK - 1):
-                # rows of warp I > J: Ka ⊙ 2^(C_I − E_J) = k̂ 2^(Γ − E_J) <= 1. Warps I <= J only take part
-                # in the warpgroup-wide wgmma: their rows of the product are never read, so they skip the
-                # build (half of this phase's work) and feed zeros.
-                rA = [cute.make_rmem_tensor(a_operand_layout(c128.layout), BF16) for _ in a_tiles]
-                if wl > jb:
-                    p = pair_index(wl, jb)
-                    rA_c = [cute.make_tensor(ra.iterator, c128.layout) for ra in rA]
-                    # values e, e + 1 of a C fragment are columns d, d + 1 of one row: one 4-byte load each
-                    two = [cute.make_rmem_tensor(cute.make_layout(2), BF16) for _ in a_tiles]
-                    for e in cutlass.range_constexpr(0, cute.size(c128), 2):
-                        i, d = cA[e]
-                        off = cute.assume(_swizzled_offset(a_layout, (i, d, 0)), divby=2)
-                        for x in cutlass.range_constexpr(nprod):
-                            two[x].store(cute.make_tensor(a_raws[x] + off, cute.make_layout(2)).load())
-                        if cutlass.const_expr(self.packed_offdiag):
-                            fpair = cute.make_rmem_tensor(cute.make_layout(2), F32)
-                            fpair[0] = sC[p, d]
-                            fpair[1] = sC[p, d + 1]
-                            fb2 = fpair.load().to(BF16)
-                            scaled = [t.load() * fb2 for t in two]  # one mul.bf16x2 per pair of columns
-                            for h in cutlass.range_constexpr(2):
-                                for x in cutlass.range_constexpr(nprod):
-                                    rA_c[x][e + h] = scaled[x][h]
-                        else:
-                            for h in cutlass.range_constexpr(2):
-                                f = sC[p, d + h]
-                                for x in cutlass.range_constexpr(nprod):
-                                    rA_c[x][e + h] = (two[x][h].to(F32) * f).to(BF16)
-                else:
-                    for x in cutlass.range_constexpr(nprod):
-                        rA[x].fill(0.0)
-                warpgroup.fence()
-                for x in cutlass.range_constexpr(nprod):
-                    for kb in cutlass.range_constexpr(cute.size(rA[x], mode=[2])):
-                        mma_off.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                        cute.gemm(mma_off, acc_o[x][jb], rA[x][None, None, kb], tBkh[None, None, kb, jb],
-                                  acc_o[x][jb])
-                warpgroup.commit_group()
-                # the next block's A values go to fresh registers only once these are read
-                warpgroup.wait_group(0)
+        thr_wu = mma_wu.get_slice(tidx)
         cute.arch.sync_threads()  # every warp is past its reads of the operand tiles: reuse them
 
         # ------------------------------------------------ combine: Akk β -> sA (fp32), Aqk -> staging
         cD = thr_d.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
         rAqk = cute.make_rmem_tensor(acc_d[0].layout, BF16)
         per_blk = cute.size(acc_d[0]) // NBLK  # 8 values of a thread per 16-column block
-        if cutlass.const_expr(self.offdiag_smem):
-            unshift = cute.math.exp2(-shift, fastmath=True)  # 2^(C_I − R_I): what Ka B'_Iᵀ carries extra
-            for e in cutlass.range_constexpr(cute.size(acc_d[0])):
-                i, j = cD[e]
-                sA[i, j] = self.lower_value_b(e, i, j, acc_d[0], acc_ob[0], warp, 0, per_blk, unshift) * sBeta[i]
-                rAqk[e] = self.lower_value_b(e, i, j, acc_d[1], acc_ob[1], warp, 1, per_blk, unshift).to(BF16)
-        elif cutlass.const_expr(self.wgs == 1):
-            for e in cutlass.range_constexpr(cute.size(acc_d[0])):
-                i, j = cD[e]
-                sA[i, j] = self.lower_value(e, i, j, acc_d[0], acc_o[0], warp, 0, per_blk) * sBeta[i]
-                rAqk[e] = self.lower_value(e, i, j, acc_d[1], acc_o[1], warp, 1, per_blk).to(BF16)
-        else:
-            # warpgroup 0 holds Akk (strictly lower: j < i), warpgroup 1 Aqk (j <= i, i.e. j < i + wg)
-            for e in cutlass.range_constexpr(cute.size(acc_d[0])):
-                i, j = cD[e]
-                v = self.lower_value(e, i, j, acc_d[0], acc_o[0], wl, wg, per_blk)
-                if wg == 0:
-                    sA[i, j] = v * sBeta[i]
-                else:
-                    rAqk[e] = v.to(BF16)
+        unshift = cute.math.exp2(-shift, fastmath=True)  # 2^(C_I − R_I): what Ka B'_Iᵀ carries extra
+        for e in cutlass.range_constexpr(cute.size(acc_d[0])):
+            i, j = cD[e]
+            sA[i, j] = self.lower_value(e, i, j, acc_d[0], acc_ob[0], warp, 0, per_blk, unshift) * sBeta[i]
+            rAqk[e] = self.lower_value(e, i, j, acc_d[1], acc_ob[1], warp, 1, per_blk, unshift).to(BF16)
         st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BF16)
         st_d = cute.make_tiled_copy_C(st_atom, mma_diag)
-        if cutlass.const_expr(self.wgs == 1):
-            cute.copy(st_d, st_d.retile(rAqk), st_d.get_slice(tidx).partition_D(sAqk[None, None, 0]))
-        else:
-            if wg == 1:
-                cute.copy(st_d, st_d.retile(rAqk), st_d.get_slice(tidw).partition_D(sAqk[None, None, 0]))
+        cute.copy(st_d, st_d.retile(rAqk), st_d.get_slice(tidx).partition_D(sAqk[None, None, 0]))
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
         one = cute.make_layout(1)
@@ -889,16 +731,10 @@ class KdaFwdIntraTC:
         cute.arch.sync_threads()
 
         # ====================================================== phase 5: w = T' X, u = T' v (wgmma)
-        # one warpgroup forms both; with two, warpgroup 0 forms w = T' X and warpgroup 1 u = T' v (v's tile
-        # follows X's by 16 KB). Each result is staged in the tile its B operand came from.
+        # each result is staged in the tile its B operand came from
         st_wu = cute.make_tiled_copy_C(st_atom, mma_wu)
-        if cutlass.const_expr(self.wgs == 1):
-            b_tiles = (sX, sV)
-            stage_tiles = (sWst, sUst)
-        else:
-            bx_raw = x_raw + cute.assume(wg * (CHUNK * DK), divby=CHUNK * DK)
-            b_tiles = (_tile(bx_raw, x_layout),)
-            stage_tiles = (_tile(bx_raw, w_layout),)
+        b_tiles = (sX, sV)
+        stage_tiles = (sWst, sUst)
         tAtb = thr_wu.make_fragment_A(thr_wu.partition_A(sTb))
         tB_wu = [thr_wu.make_fragment_B(thr_wu.partition_B(t)) for t in b_tiles]
         acc_wu = [thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK))) for _ in b_tiles]
@@ -910,7 +746,7 @@ class KdaFwdIntraTC:
         cute.arch.sync_threads()  # T', X and v are read: the X / v tiles become the w / u staging
 
         # ================================================ phase 6: w, u -> swizzled tiles -> TMA stores
-        thr_st = st_wu.get_slice(tidw)
+        thr_st = st_wu.get_slice(tidx)
         for x in cutlass.range_constexpr(len(b_tiles)):
             r_out = cute.make_rmem_tensor(acc_wu[x].layout, BF16)
             r_out.store(acc_wu[x].load().to(BF16))
@@ -949,15 +785,11 @@ class KdaFwdIntraTC:
         pA = sA.iterator
         pT = sT.iterator
         pY = sY.iterator
-        if cutlass.const_expr(self.wgs == 1):
-            self.diagonal_blocks(pA, sT, warp, lane)
-        else:
-            if warp < NBLK:  # the 16x16 substitutions are warpgroup 0's; the products below use everyone
-                self.diagonal_blocks(pA, sT, warp, lane)
+        self.diagonal_blocks(pA, sT, warp, lane)
         cute.arch.sync_threads()
         # step 2: the first half of the threads block (1, 0), the second half block (3, 2); a thread owns
-        # rows r2 rg .. + r2 - 1 (r2 = 2 with one warpgroup, 1 with two) and columns 2cp, 2cp+1
-        r2 = 2 // self.wgs
+        # rows r2 rg .. + r2 - 1 and columns 2cp, 2cp+1
+        r2 = 2
         half_threads = self.threads // 2
         bp = tidx // half_threads
         ib = 2 * bp + 1
@@ -988,9 +820,9 @@ class KdaFwdIntraTC:
         pT = sT.iterator
         pY = sY.iterator
         # step 3: Y = A_BA T_A, then T_BA = −T_B Y (32x32 each, k < 32); a thread owns rows r3 rg3 ..
-        # + r3 - 1 (r3 = 4 with one warpgroup, 2 with two) and columns 2cp, 2cp+1
+        # + r3 - 1 and columns 2cp, 2cp+1
         half = 2 * SUB
-        r3 = 4 // self.wgs
+        r3 = 4
         rg3 = tidx // 16
         cp3 = tidx % 16
         acc3 = cute.make_rmem_tensor(cute.make_layout((r3, 2), stride=(2, 1)), F32)
@@ -1248,9 +1080,6 @@ def compile_targets():
     from cula.kernels.sm90.kda_fwd_intra import fake_args
 
     def build(g_dtype, **flags):
-        # one warpgroup follows the default off-diagonal path (kda_fwd's choice) unless a target says
-        flags.setdefault("offdiag_smem", OFFDIAG_SMEM and flags.get("warpgroups", 1) == 1)
-
         def make():
             _compile_without_driver()
             return KdaFwdIntraTC(**flags), (*fake_args(cutlass.BFloat16, g_dtype, g_dtype), make_fake_stream())
@@ -1264,16 +1093,11 @@ def compile_targets():
         "plain_gva": build(cutlass.BFloat16, **{**full, "use_qk_l2norm": False, "has_a_log": False,
                                                  "has_dt_bias": False, "use_beta_sigmoid": False,
                                                  "allow_neg_eigval": True, "group": 2}),
-        "scalar_offdiag": build(cutlass.BFloat16, **full, packed_offdiag=False, offdiag_smem=False),
-        "offdiag_rs": build(cutlass.BFloat16, **full, offdiag_smem=False),
         "simt_inverse": build(cutlass.BFloat16, **full, inv_wgmma=False),
         "prefetch": build(cutlass.BFloat16, **full, prefetch_ahead=132),
         "pdl_end": build(cutlass.BFloat16, **full, pdl_trigger="end"),
         "softplus_gate": build(cutlass.BFloat16, **full, softplus_gate=True),
         "softplus_fp32_gate_gva": build(cutlass.Float32, **{**full, "group": 2}, softplus_gate=True),
-        "two_wg": build(cutlass.BFloat16, **full, warpgroups=2, inv_wgmma=False),
-        "two_wg_fp32_gate_gva": build(cutlass.Float32, **{**full, "use_beta_sigmoid": False, "group": 2},
-                                      warpgroups=2, inv_wgmma=False),
     }
 
 
@@ -1281,14 +1105,13 @@ def compile_targets():
 # torch model of the kernel (same factorisation, inverse steps and bf16 rounding points)
 # ------------------------------------------------------------------------------------------------
 def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=None,
-            use_qk_l2norm=False, use_beta_sigmoid=False, allow_neg_eigval=False, packed_offdiag=False,
-            softplus_gate=False, offdiag_smem=False):
+            use_qk_l2norm=False, use_beta_sigmoid=False, allow_neg_eigval=False, softplus_gate=False):
     """The stage-1 scratch exactly as this kernel forms it, in torch (CPU or GPU).
 
     ``q, k: [TT, H, 128]``, ``v, g: [TT, HV, 128]``, ``beta: [TT, HV]`` (flattened tokens), ``chunks``
     the ``[NC, 2]`` table of ``kda_fwd.chunk_tables``. Returns the dict of ``kda_fwd.emulate_stages``
-    (w, u, qg, aqk, kgt in bf16; gam fp32); ``packed_offdiag`` models ``PACKED_OFFDIAG``, ``offdiag_smem``
-    ``OFFDIAG_SMEM`` (the factor on the B side: K̂ ⊙ bf16(2^(R_I − E_J)), rounded once, then 2^-shift in fp32);
+    (w, u, qg, aqk, kgt in bf16; gam fp32); off the block diagonal the factor is on the B side, K̂ ⊙
+    bf16(2^(R_I − E_J)) rounded once (what mul.bf16x2 does), and the product times 2^-shift in fp32;
     ``softplus_gate``: the softplus gate clamped at ``lower_bound`` (``SOFTPLUS_FLOOR``). It exists to
     test the algorithm (reference factors, block
     inverse, where bf16 rounding happens) on a CPU against the exact emulation; the GPU check compares
@@ -1356,23 +1179,12 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
     akk = torch.where(same & (jj < ii), akk_d, akk)
     aqk = torch.where(same & (jj <= ii), aqk_d, aqk)
     for ib, jb in PAIRS:
-        c_ij = torch.exp2(blk_first[:, :, ib] - shift - blk_last[:, :, jb])  # [NC, HV, K]
         r = slice(ib * SUB, (ib + 1) * SUB)
         cs = slice(jb * SUB, (jb + 1) * SUB)
-        if offdiag_smem:
-            f_ij = torch.exp2(blk_first[:, :, ib] - blk_last[:, :, jb]).to(bf16)  # 2^(R_I − E_J)
-            b = (kh[:, :, cs] * f_ij[:, :, None]).float().transpose(-1, -2)
-            akk[:, :, r, cs] = (ka[:, :, r].float() @ b) * 2.0 ** -shift
-            aqk[:, :, r, cs] = (qa[:, :, r].float() @ b) * 2.0 ** -shift
-            continue
-        if packed_offdiag:  # bf16 x bf16 is exact in fp32, rounded once: what mul.bf16x2 does
-            a_k = (ka[:, :, r] * c_ij.to(bf16)[:, :, None]).float()
-            a_q = (qa[:, :, r] * c_ij.to(bf16)[:, :, None]).float()
-        else:
-            a_k = (ka[:, :, r].float() * c_ij[:, :, None]).to(bf16).float()
-            a_q = (qa[:, :, r].float() * c_ij[:, :, None]).to(bf16).float()
-        akk[:, :, r, cs] = a_k @ kh[:, :, cs].float().transpose(-1, -2)
-        aqk[:, :, r, cs] = a_q @ kh[:, :, cs].float().transpose(-1, -2)
+        f_ij = torch.exp2(blk_first[:, :, ib] - blk_last[:, :, jb]).to(bf16)  # 2^(R_I − E_J)
+        b = (kh[:, :, cs] * f_ij[:, :, None]).float().transpose(-1, -2)
+        akk[:, :, r, cs] = (ka[:, :, r].float() @ b) * 2.0 ** -shift
+        aqk[:, :, r, cs] = (qa[:, :, r].float() @ b) * 2.0 ** -shift
     akk = akk * bc[..., :, None]
     t = _invert_blocked(akk)
     tp = (t * bc[..., None, :]).to(bf16).float()
@@ -1419,33 +1231,21 @@ def layout_facts() -> dict:
     @cute.jit(preprocess=False)  # plain Python control flow: everything here is static
     def trace():
         diag = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, kmode, F32, (1, 1, 1), (CHUNK, CHUNK))
+        # an RS product (A from registers, as the inverse's wgmma step feeds it)
         off = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, kmode, F32, (1, 1, 1), (CHUNK, SUB),
                                                 warpgroup.OperandSource.RMEM)
         wu = sm90_utils.make_trivial_tiled_mma(BF16, BF16, kmode, mnmode, F32, (1, 1, 1), (CHUNK, DK))
-        bad_combine = 0
         bad_a = 0
         for t in (0, 1, 5, 31, 37, 64, 99, 127):
-            c64 = diag.get_slice(t).partition_C(cute.make_identity_tensor((CHUNK, CHUNK))).layout
-            c16 = off.get_slice(t).partition_C(cute.make_identity_tensor((CHUNK, SUB))).layout
-            per = cute.size(c64) // NBLK
-            for e in range(cute.size(c64)):
-                i, j = coord(e, c64)
-                i2, j2 = coord(e % per, c16)
-                bad_combine += int((i, j) != (i2, j2 + SUB * (e // per)))
-            # RS A registers: the k-th register of the A operand holds the element the kernel writes
-            # there through the C fragment coordinates of the m64n128 product
+            # a_operand_layout: the k-th register of an RS A operand holds the element that the C fragment
+            # of a product with that K as N puts there
             a_ref = off.get_slice(t).partition_A(cute.make_identity_tensor((CHUNK, DK))).layout
             c128 = wu.get_slice(t).partition_C(cute.make_identity_tensor((CHUNK, DK))).layout
             a_regs = a_operand_layout(cute.make_layout(wu.get_slice(t).partition_shape_C((CHUNK, DK))))
             for p in range(cute.size(a_regs)):
                 bad_a += int(coord(p, a_ref) != coord(int(a_regs(cute.idx2crd(p, a_regs.shape))), c128))
-            # consecutive register pairs (e, e + 1) are adjacent columns of one row (4-byte A loads)
-            for e in range(0, cute.size(c128), 2):
-                (ia, da), (ib, db) = coord(e, c128), coord(e + 1, c128)
-                bad_a += int(ia != ib or db != da + 1 or da % 2)
-        facts["combine_mismatches"] = bad_combine
         facts["a_register_mismatches"] = bad_a
-        # offdiag_smem: value e of the m64n(16 I) product is value e of the m64n64 one (a prefix), and
+        # value e of the m64n(16 I) product is value e of the m64n64 one (a prefix), and
         # the B'_I tiles keep 8 consecutive columns of a row as one 16-byte vector (_ld8 / _st8)
         bad_prefix = 0
         bad_vec = 0
@@ -1476,7 +1276,6 @@ def layout_facts() -> dict:
             for r in range(CHUNK) for d in range(0, DK, 8))
         facts["w_staging_is_a"] = str(w_l) == str(a_l)
         for name, lay in (("a", a_l), ("x", x_l), ("w", w_l),
-                          ("kh", sm90_utils.make_smem_layout_b(kmaj, (CHUNK, SUB, DK), BF16, NBLK - 1)),
                           ("tb", sm90_utils.make_smem_layout_a(kmaj, (CHUNK, DV, CHUNK), BF16, 1)),
                           ("aqk", sm90_utils.make_smem_layout_b(kmaj, (CHUNK, CHUNK, CHUNK), BF16, 1))):
             facts[f"swizzle_{name}"] = str(lay.inner)
