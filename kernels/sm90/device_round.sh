@@ -40,9 +40,12 @@ for s in $steps; do
         step kda_check 130 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases tc-varlen-33,tc-varlen-zero,varlen-zero
         step kda_split 60 python3 -m cula.kernels.sm90.kda_fwd --check --split all ;;
-    next)  # the state buffer through dispatch (docs/DEVICE.md: the checks session 12's ssm step's timeout cut)
-        step ssm_check2 400 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
-            --cases varlen-33,tc-varlen-33,tc-varlen-zero,tc-T65-gva-vfirst ;;
+    next)  # session 15's stage 1 (off-diagonal blocks on shared-memory operands, the default; docs/DEVICE.md):
+        # the tensor-core GPU cases through pytest (with FLA), then the suite (set CULA_GIT_SHA first)
+        step tc_gpu 300 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "test_gpu_kernel_matches_reference and tc-" \
+            && step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
+                --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
     ncu)  # stage 1's stall reasons by instruction (session 6): full set on one B1 T4096 launch
         step ncu 200 ncu --clock-control none -k regex:intra_tc --launch-count 1 --set full \
             --import-source no -o "$OUT/intra_tc" python3 -m cula.kernels.sm90.kda_fwd_profile --stage intra
