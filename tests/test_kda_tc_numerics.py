@@ -98,3 +98,29 @@ def test_stage1_shared_memory_fits_two_ctas():
     smem = KdaFwdIntraTC(**flags).storage_class().size_in_bytes()
     assert smem == 115712
     assert 2 * (smem + 1024) <= SMEM_PER_SM
+
+
+@pytest.mark.gpu
+def test_gpu_stage1_runs_two_ctas_per_sm():
+    """The driver agrees that two stage-1 CTAs fit an SM: 2 x (115,712 + 1,024) B is exactly the H200's
+    228 KB, so a larger per-CTA reservation or one more shared field would halve the kernel's warps per
+    SM without any other symptom than time."""
+    from cuda.bindings import driver
+
+    from cula.kernels.sm90 import kda_fwd
+    from cula.kernels.sm90 import kda_fwd_check as chk
+    from cula.kernels.sm90.kda_fwd_intra_tc import THREADS, KdaFwdIntraTC
+
+    smem = KdaFwdIntraTC(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
+                         allow_neg_eigval=False, group=1).storage_class().size_in_bytes()
+
+    case = next(c for c in chk.CASES if c[0] == "tc-T1")
+    args, kw = chk._inputs(*case, dev=torch.device("cuda"))
+    kda_fwd.kda_fwd(*args, **kw)
+    torch.cuda.synchronize()
+    launchers = [v for (kind, _), v in kda_fwd._LAUNCHERS.items() if kind == "intra_tc"]
+    assert launchers, "no tensor-core stage 1 was compiled"
+    fn = launchers[0].compiled._default_executor.exec_context.kernel_functions[0]
+    err, n = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, THREADS, smem)
+    assert err == driver.CUresult.CUDA_SUCCESS, err
+    assert n == 2, n
