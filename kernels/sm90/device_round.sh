@@ -41,7 +41,9 @@ for s in $steps; do
             --cases tc-varlen-33,tc-varlen-zero,varlen-zero
         step kda_split 60 python3 -m cula.kernels.sm90.kda_fwd --check --split all ;;
     next)  # session 15's stage 1 (off-diagonal blocks on shared-memory operands, the default; docs/DEVICE.md):
-        # the tensor-core GPU cases through pytest (with FLA), then the suite (set CULA_GIT_SHA first)
+        # stage 1's occupancy (2 CTAs per SM: its shared memory fills the SM exactly), the tensor-core GPU
+        # cases through pytest (with FLA), then the suite (set CULA_GIT_SHA first)
+        step tc_occupancy 120 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_tc_numerics.py
         step tc_gpu 300 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "test_gpu_kernel_matches_reference and tc-" \
             && step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
