@@ -85,7 +85,11 @@ for s in $steps; do
         step kda_memcheck 150 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --report-api-errors no \
             --print-limit 5 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --no-fla \
             --cases tc-varlen-zero,tc-T65-gva-vfirst
-        grep -E "ERROR SUMMARY|Invalid" "$OUT/kda_memcheck.log" | head -5 ;;
+        grep -E "ERROR SUMMARY|Invalid" "$OUT/kda_memcheck.log" | head -5
+        # shared-memory hazards (session 15's B' pass writes B'_3 in place between two barriers)
+        step kda_racecheck 200 /usr/local/cuda/bin/compute-sanitizer --tool racecheck --report-api-errors no \
+            --print-limit 5 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --no-fla --cases tc-T1
+        grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard" "$OUT/kda_racecheck.log" | head -5 ;;
     split_worst)  # the time split (stage 1 / stage 2 / host) of the three lowest-ratio suite rows and B2 T16384
         step kda_split_worst 90 python3 -m cula.kernels.sm90.kda_fwd --check --split worst ;;
     dbench)  # decode_bench alone: graph / eager times, kernel-entry host time and the public op's (public_op_us)
