@@ -1,4 +1,5 @@
 """SASS of a compile target on a machine without a GPU: ptxas to a cubin, then ``cuobjdump -sass``.
+Its phases are cut where ``ncu_phases`` cuts a profile's SASS, so the two read side by side.
 
 PTX instruction counts are a poor proxy for what the SM issues (ptxas folds negations into MUFU
 operands, merges address arithmetic, unpacks bf16 pairs with SHF / PRMT). The SASS is what an ncu
@@ -25,11 +26,10 @@ import subprocess
 import sys
 import tempfile
 
+from cula.kernels.common.ncu_phases import SEGMENT_ENDS, opcode
 from cula.kernels.common.ptx_check import ARCH
 
 _INS_RE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;")
-#: instructions that end a phase: CTA barriers and waits on warpgroup MMAs
-_PHASE_END = ("BAR.SYNC", "WARPGROUP.DEPBAR")
 
 
 def find_cuobjdump() -> str | None:
@@ -54,14 +54,6 @@ def parse(sass_text: str) -> list[str]:
     return [m.group(1) for line in sass_text.splitlines() if (m := _INS_RE.match(line))]
 
 
-def opcode(instruction: str) -> str:
-    """The base opcode: ``@P0 FMUL.FTZ R1, R2, R3`` -> ``FMUL``."""
-    words = instruction.split()
-    if words and words[0].startswith("@"):
-        words = words[1:]
-    return words[0].split(".")[0] if words else ""
-
-
 def mix(instructions: list[str]) -> collections.Counter:
     """Instruction count by base opcode."""
     return collections.Counter(opcode(i) for i in instructions)
@@ -69,7 +61,8 @@ def mix(instructions: list[str]) -> collections.Counter:
 
 @dataclasses.dataclass
 class Phase:
-    """A run of instructions between two phase ends (see ``_PHASE_END``); ``first`` is its start."""
+    """A run of instructions between two phase ends (``ncu_phases.SEGMENT_ENDS``: the same cut as the
+    profile's segments); ``first`` is its start."""
 
     start: int
     instructions: list[str]
@@ -85,7 +78,7 @@ def phases(instructions: list[str]) -> list[Phase]:
     start = 0
     for n, ins in enumerate(instructions):
         body = ins.split(None, 1)[1] if ins.startswith("@") else ins
-        if n > start and body.startswith(_PHASE_END):
+        if n > start and body.startswith(SEGMENT_ENDS):
             out.append(Phase(start, instructions[start:n]))
             start = n
     out.append(Phase(start, instructions[start:]))
