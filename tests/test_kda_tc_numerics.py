@@ -100,6 +100,21 @@ def test_stage1_shared_memory_fits_two_ctas():
     assert 2 * (smem + 1024) <= SMEM_PER_SM
 
 
+def test_timing_diagnostics_are_named_and_off_by_default():
+    """CULA_KDA_TC_DIAG's options are checked by name, and none is on unless the environment asks."""
+    pytest.importorskip("cutlass")
+    import os
+
+    from cula.kernels.sm90.kda_fwd_intra_tc import DIAG, KdaFwdIntraTC
+
+    flags = dict(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
+                 allow_neg_eigval=False, group=1)
+    assert KdaFwdIntraTC(**flags).diag == ()
+    assert (DIAG == ()) == (not os.environ.get("CULA_KDA_TC_DIAG"))
+    with pytest.raises(AssertionError):
+        KdaFwdIntraTC(**flags, diag=("no_stores",))
+
+
 @pytest.mark.gpu
 def test_gpu_stage1_runs_two_ctas_per_sm():
     """The driver agrees that two stage-1 CTAs fit an SM: 2 x (115,712 + 1,024) B is exactly the H200's

@@ -96,7 +96,8 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_simt_inverse", True),
                                                ("intra_tc_prefetch", True), ("intra_tc_pdl_end", True),
                                                ("intra_tc_softplus_gate", True),
-                                               ("intra_tc_softplus_fp32_gate_gva", True)])
+                                               ("intra_tc_softplus_fp32_gate_gva", True),
+                                               ("intra_tc_diag_all", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report

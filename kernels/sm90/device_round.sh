@@ -183,6 +183,13 @@ for s in $steps; do
             step ssm_items$a 60 env CULA_KDA_RECUR_STATE_SMEM=$a python3 -m cula.kernels.sm90.kda_fwd --check \
                 --split items
         done ;;
+    diag_split)  # session 15: what part of stage 1's time is memory (CULA_KDA_TC_DIAG: outputs wrong, timing only):
+        # one split per diagnostic against none (each a new compile: ~40 s), none again at the end
+        for d in none l2_loads no_qg_kgt no_wu_store no_aqk_store no_inverse none; do
+            dv=$d; [ "$d" = none ] && dv=""
+            step diag_split_$d 100 env CULA_KDA_TC_DIAG=$dv python3 -u -m cula.kernels.sm90.kda_fwd --check \
+                --split worst
+        done ;;
     cp_gpu)  # session 13's CPU-only CP pieces (one GPU is enough): KDA in pieces bitwise, the CP emulation tests
         step kda_pieces 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_fwd_pieces.py
         step cp_gpu 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_cp_gpu.py ;;

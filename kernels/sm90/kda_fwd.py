@@ -16,6 +16,7 @@ references and time a few shapes.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Callable
 
 import torch
@@ -553,6 +554,10 @@ def kda_fwd(
                         inv_wgmma=intra_tc.INV_WGMMA,
                         pdl_trigger=recur.PDL_TRIGGER if recur.PDL and recur.PDL_TRIGGER != "none" else "",
                         prefetch_ahead=intra_tc.PREFETCH_AHEAD, softplus_gate=softplus_tc)
+        if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
+            warnings.warn(f"CULA_KDA_TC_DIAG={','.join(intra_tc.DIAG)}: stage 1's outputs are wrong (timing only)",
+                          RuntimeWarning, stacklevel=2)
+            tc_flags.update(diag=intra_tc.DIAG)
         _launcher("intra_tc", (tuple(sorted(tc_flags.items())), dts), lambda: intra_tc.KdaFwdIntraTC(**tc_flags),
                   _intra_specs(*dts))(*intra_values)
     elif "intra" in stages:

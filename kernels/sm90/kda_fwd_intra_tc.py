@@ -97,6 +97,14 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: 2.29x -> 2.39x). Session 6's TMA bulk prefetch of the same rows was 1-12% slower (the per-thread form
 #: also won over the bulk one in stage 2, session 8). ``CULA_KDA_TC_PREFETCH`` sets it for A/B runs.
 PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
+#: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
+#: kda_fwd warns): which part of stage 1's time is memory. ``l2_loads``: every CTA reads its head's first
+#: rows (L2 hits instead of DRAM); ``no_qg_kgt`` / ``no_wu_store`` / ``no_aqk_store``: those stores sit
+#: under a condition that is false at run time but opaque to the compiler (``scale < 0``; ``nvalid < 0``
+#: was folded away, the values with it), so the values are still formed; ``no_inverse``: phase 4 is
+#: skipped the same way. A split per option against none says what each costs.
+DIAG_OPTIONS = ("l2_loads", "no_qg_kgt", "no_wu_store", "no_aqk_store", "no_inverse")
+DIAG = tuple(x for x in __import__("os").environ.get("CULA_KDA_TC_DIAG", "").split(",") if x)
 # The off-diagonal blocks of Akk and Aqk are formed on shared-memory operands (session 15): the per-(I, J)
 # factor sits on the B side, B'_I = K̂ ⊙ 2^(R_I − E_J) for the rows j < 16 I (R_I = Γ at row 16 I), formed
 # by all threads in one balanced pass; each row block I is then one SS wgmma Ka B'_Iᵀ (N = 16 I) whose
@@ -131,7 +139,10 @@ class KdaFwdIntraTC:
         pdl_trigger: str = "start",
         prefetch_ahead: int = PREFETCH_AHEAD,
         softplus_gate: bool = False,
+        diag: tuple = (),
     ):
+        assert all(d in DIAG_OPTIONS for d in diag), diag
+        self.diag = tuple(diag)  # timing diagnostics only (see DIAG)
         # False: the lower-bounded sigmoid gate lb * sigmoid(exp(A_log) (x + dt_bias)); True: the softplus
         # gate, clamped at the runtime lower_bound (SOFTPLUS_FLOOR)
         self.softplus_gate = softplus_gate
@@ -496,6 +507,8 @@ class KdaFwdIntraTC:
         raw_g = cute.make_rmem_tensor(rows8, pG.dtype)
         for rr in cutlass.range_constexpr(rpt):
             tok = tok0 + cutlass.min(r0 + rr, nvalid - 1)
+            if cutlass.const_expr("l2_loads" in self.diag):  # timing only: the head's first rows, L2 hits
+                tok = cutlass.min(r0 + rr, nvalid - 1)
             raw_q[rr, None].store(_vec(pQ, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
             raw_k[rr, None].store(_vec(pK, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
             raw_v[rr, None].store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load())
@@ -640,11 +653,19 @@ class KdaFwdIntraTC:
             obf.store(xx.load().to(BF16))
             _st8(x_layout, x_raw, (d0, r, 0), obf)
             obf.store(qg.load().to(BF16))
-            _vec(qg_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
+            if cutlass.const_expr("no_qg_kgt" in self.diag):
+                if scale < F32(0.0):  # never (timing only): formed, not stored
+                    _vec(qg_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
+            else:
+                _vec(qg_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
         # kgᵀ: this thread's 8 rows are 8 consecutive tokens of one column: one 16-byte store each
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             dst = _vec(pKGT, (hv * DK + d0 + c) * R + row0 + r0, rpt)
-            dst.store(kgt[c, None].load())
+            if cutlass.const_expr("no_qg_kgt" in self.diag):
+                if scale < F32(0.0):
+                    dst.store(kgt[c, None].load())
+            else:
+                dst.store(kgt[c, None].load())
         if grp == 0:
             gam_out = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
@@ -703,11 +724,19 @@ class KdaFwdIntraTC:
             tAs, tAg = cpasync.tma_partition(tma_aqk, 0, one, cute.group_modes(sAqk, 0, 2),
                                              cute.group_modes(gAqk, 0, 2))
             if lane == 0:
-                cute.copy(tma_aqk, tAs[None, 0], tAg[None, chunk])
+                if cutlass.const_expr("no_aqk_store" in self.diag):
+                    if scale < F32(0.0):  # never (timing only)
+                        cute.copy(tma_aqk, tAs[None, 0], tAg[None, chunk])
+                else:
+                    cute.copy(tma_aqk, tAs[None, 0], tAg[None, chunk])
                 cute.arch.cp_async_bulk_commit_group()
 
         # ==================================================== phase 4: T = (I + Akk)^-1, fp32 SIMT
-        self.invert(sA, sT, sY, warp, lane, tidx, tb_raw)
+        if cutlass.const_expr("no_inverse" in self.diag):
+            if scale < F32(0.0):  # never (timing only): T' is formed from whatever sT holds
+                self.invert(sA, sT, sY, warp, lane, tidx, tb_raw)
+        else:
+            self.invert(sA, sT, sY, warp, lane, tidx, tb_raw)
         # T' = T diag(β) in bf16 (upper blocks zero): the A operand of w and u; each thread forms
         # 8-column pieces of one row
         tpr = self.threads // CHUNK  # threads per row
@@ -761,8 +790,13 @@ class KdaFwdIntraTC:
             tUs, tUg = cpasync.tma_partition(tma_u, 0, one, cute.group_modes(sUst, 0, 2),
                                              cute.group_modes(gU, 0, 2))
             if lane == 0:
-                cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
-                cute.copy(tma_u, tUs[None, 0], tUg[None, chunk])
+                if cutlass.const_expr("no_wu_store" in self.diag):
+                    if scale < F32(0.0):  # never (timing only)
+                        cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
+                        cute.copy(tma_u, tUs[None, 0], tUg[None, chunk])
+                else:
+                    cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
+                    cute.copy(tma_u, tUs[None, 0], tUg[None, chunk])
                 cute.arch.cp_async_bulk_commit_group()
                 # shared memory must outlive the bulk copies' reads of it
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -1098,6 +1132,7 @@ def compile_targets():
         "pdl_end": build(cutlass.BFloat16, **full, pdl_trigger="end"),
         "softplus_gate": build(cutlass.BFloat16, **full, softplus_gate=True),
         "softplus_fp32_gate_gva": build(cutlass.Float32, **{**full, "group": 2}, softplus_gate=True),
+        "diag_all": build(cutlass.BFloat16, **full, diag=DIAG_OPTIONS),
     }
 
 
