@@ -44,7 +44,6 @@ def run_invert(a: torch.Tensor) -> torch.Tensor:
         pass
 
     cfg = Cfg()
-    cfg.threads = tc.THREADS
     cfg._tile_product = lambda *args: tile(cfg, *args)
     cfg.diagonal_blocks = lambda *args: diagonal(cfg, *args)
     # the fp32 SIMT lower-left block (INV_WGMMA=0); the default kernel forms that block on wgmma, which
@@ -70,7 +69,7 @@ def run_invert(a: torch.Tensor) -> torch.Tensor:
         s_y = emu.cute.make_tensor(p_y, emu.cute.make_layout((2 * tc.SUB, 2 * tc.SUB), stride=(tc.YPAD, 1)))
         invert(cfg, s_a, s_t, s_y, tidx // 32, tidx % 32, tidx, None)
 
-    emu.launch(kernel, [1, 1, 1], cfg.threads, ptrs)
+    emu.launch(kernel, [1, 1, 1], tc.THREADS, ptrs)
     emu.Memory.write_back(backs)
     return t_mem[:, :64]
 

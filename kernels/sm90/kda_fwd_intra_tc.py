@@ -64,6 +64,7 @@ THREADS = 128  # one warpgroup
 ROWS_PER_THREAD = 8  # pointwise phase: 8 consecutive rows ...
 COLS_PER_THREAD = 8  # ... x 8 consecutive columns (one 16-byte bf16 vector per row)
 GROUPS = CHUNK // ROWS_PER_THREAD  # 8 row groups of 8; group g is lanes 16(g%2).. of warp g//2
+GROUPS_PER_BLOCK = SUB // ROWS_PER_THREAD  # 2 row groups per 16-row block (one warp)
 CTAS_PER_SM = 2  # ~104 KB smem and <= 255 registers each: two chunks in flight per SM
 PAD = CHUNK + 4  # fp32 row pitch of the 64x64 matrices of the inverse: 16-byte rows, rows 4 apart on other banks
 YPAD = 2 * SUB  # fp32 row pitch of the inverse's 32x32 scratch Y
@@ -105,14 +106,6 @@ PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
 #: skipped the same way. A split per option against none says what each costs.
 DIAG_OPTIONS = ("l2_loads", "no_qg_kgt", "no_wu_store", "no_aqk_store", "no_inverse")
 DIAG = tuple(x for x in __import__("os").environ.get("CULA_KDA_TC_DIAG", "").split(",") if x)
-# The off-diagonal blocks of Akk and Aqk are formed on shared-memory operands (session 15): the per-(I, J)
-# factor sits on the B side, B'_I = K̂ ⊙ 2^(R_I − E_J) for the rows j < 16 I (R_I = Γ at row 16 I), formed
-# by all threads in one balanced pass; each row block I is then one SS wgmma Ka B'_Iᵀ (N = 16 I) whose
-# result carries 2^(R_I − C_I) = 2^shift, taken off in fp32. Against the earlier path (each warp scaled its
-# own A rows in registers, so warp 3 scaled three blocks while warp 0 waited at each wgmma): 544 fewer
-# SASS instructions, and no factor underflow where the true term is above 2^-126 (the A-side factor
-# 2^(C_I − E_J) underflowed at lb = -11 for terms up to 2^-7). H200 A/B: six checks with the same errors,
-# stage 1 0.3-0.6% faster on the n20 T4096 rows, flat at B2 T16384 (kda_fwd.md, session 15).
 SPLIT_PASSES = ((0, 0), (0, 1), (1, 0))  # (A part, B part) of each pass, 0 = hi, 1 = lo: lo·lo is dropped
 
 BF16 = cutlass.BFloat16
@@ -141,7 +134,9 @@ class KdaFwdIntraTC:
         softplus_gate: bool = False,
         diag: tuple = (),
     ):
-        assert all(d in DIAG_OPTIONS for d in diag), diag
+        unknown = [d for d in diag if d not in DIAG_OPTIONS]
+        if unknown:
+            raise ValueError(f"diag (CULA_KDA_TC_DIAG): expected names from {DIAG_OPTIONS}, got {unknown}")
         self.diag = tuple(diag)  # timing diagnostics only (see DIAG)
         # False: the lower-bounded sigmoid gate lb * sigmoid(exp(A_log) (x + dt_bias)); True: the softplus
         # gate, clamped at the runtime lower_bound (SOFTPLUS_FLOOR)
@@ -154,10 +149,6 @@ class KdaFwdIntraTC:
         self.pdl_trigger = pdl_trigger
         self.prefetch_ahead = prefetch_ahead  # CTAs ahead whose inputs this CTA asks L2 for (0: none)
         self.use_qk_l2norm = use_qk_l2norm
-        self.threads = THREADS
-        self.rpt = ROWS_PER_THREAD  # rows per thread in phases 1-2
-        self.groups = CHUNK // self.rpt  # row groups of rpt rows (16 threads each)
-        self.gpb = SUB // self.rpt  # row groups per 16-row block
         self.has_a_log = has_a_log
         self.has_dt_bias = has_dt_bias
         self.use_beta_sigmoid = use_beta_sigmoid
@@ -234,7 +225,7 @@ class KdaFwdIntraTC:
             self.a_layout, self.kt_layout, kb_layouts[0], kb_layouts[1], kb_layouts[2], self.x_layout,
             self.tb_layout, self.w_layout, self.aqk_layout,
             num_heads, HV, NC, scale, lower_bound,
-        ).launch(grid=[NC, HV, 1], block=[self.threads, 1, 1], stream=stream,
+        ).launch(grid=[NC, HV, 1], block=[THREADS, 1, 1], stream=stream,
                  smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=CTAS_PER_SM)
 
     def storage_class(self):
@@ -246,7 +237,7 @@ class KdaFwdIntraTC:
         fields = dict(sKa=tile, sQa=tile, sKt=tile, sKb1=al[mr[BF16, SUB * DK], 1024],
                       sKb2=al[mr[BF16, 2 * SUB * DK], 1024], sKb3=al[mr[BF16, 3 * SUB * DK], 1024],
                       sX=tile, sV=al[mr[BF16, CHUNK * DV], 1024],
-                      sTot=al[mr[F32, (self.groups + 1) * DK], 16], sFirst=al[mr[F32, NBLK * DK], 16],
+                      sTot=al[mr[F32, (GROUPS + 1) * DK], 16], sFirst=al[mr[F32, NBLK * DK], 16],
                       sC=al[mr[BF16, len(PAIRS) * DK], 16], sBeta=al[mr[F32, CHUNK], 16])
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -334,17 +325,17 @@ class KdaFwdIntraTC:
     def column_pass(self, sTot: cute.Tensor, sFirst: cute.Tensor, sC: cute.Tensor, col):
         """Thread = key column ``col``: the group totals' exclusive prefix in place (the chunk total in
         row ``groups``) and the off-diagonal factors ``2^(R_I − E_J)`` of that column (bf16, <= 1)."""
-        gpb = self.gpb
-        tot_col = cute.make_rmem_tensor(cute.make_layout(self.groups + 1), F32)  # exclusive prefix by group
+        gpb = GROUPS_PER_BLOCK
+        tot_col = cute.make_rmem_tensor(cute.make_layout(GROUPS + 1), F32)  # exclusive prefix by group
         tot_col[0] = F32(0.0)
-        for gq in cutlass.range_constexpr(self.groups):
+        for gq in cutlass.range_constexpr(GROUPS):
             tot_col[gq + 1] = tot_col[gq] + sTot[gq, col]
         for p in cutlass.range_constexpr(len(PAIRS)):
             ib, jb = PAIRS[p]
             r_i = tot_col[gpb * ib] + sFirst[ib, col]  # R_I: Γ at row 16 I
             e_j = tot_col[gpb * jb + gpb]
             sC[p, col] = BF16(cute.math.exp2(r_i - e_j, fastmath=True))
-        for gq in cutlass.range_constexpr(self.groups + 1):
+        for gq in cutlass.range_constexpr(GROUPS + 1):
             sTot[gq, col] = tot_col[gq]
 
     @cute.jit
@@ -370,7 +361,12 @@ class KdaFwdIntraTC:
     def offdiag_b(self, sC: cute.Tensor, kb_raws: tuple, kb_layouts: tuple, tidx):
         """B'_I = K̂ ⊙ 2^(R_I − E_J) for the rows j < 16 I of the B'_I tiles, from K̂ in
         B'_3's rows (B'_3 scaled in place). Thread t: column chunk t % 16, rows t // 16 and + 8 of each
-        block J < 3, so every thread forms 2 x (3 + 2 + 1) vectors of 8 (packed bf16 products)."""
+        block J < 3, so every thread forms 2 x (3 + 2 + 1) vectors of 8 (packed bf16 products).
+
+        Session 15 moved the factor here from the A rows, which warp I scaled in registers (warp 3 three
+        blocks while warp 0 waited at each wgmma): 544 fewer SASS instructions, no factor underflow where
+        the true term is above 2^-126; on the H200 six checks gave the same errors and stage 1 was 0.3-0.6%
+        faster on the n20 T4096 rows, flat at B2 T16384 (kda_fwd.md, session 15)."""
         c8 = (tidx % (DK // COLS_PER_THREAD)) * COLS_PER_THREAD
         s8 = tidx // (DK // COLS_PER_THREAD)
         f = [cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16) for _ in PAIRS]
@@ -432,8 +428,8 @@ class KdaFwdIntraTC:
         lane = tidx % 32
         grp = tidx // 16  # row group: rows rpt grp .. + rpt - 1 (block grp // 2 = warp)
         d0 = (tidx % 16) * COLS_PER_THREAD  # first of the 8 columns this thread owns
-        r0 = grp * self.rpt
-        rpt = self.rpt
+        rpt = ROWS_PER_THREAD
+        r0 = grp * rpt
         hq = hv // self.group
         chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
         tok0 = chunks[chunk, 0]
@@ -450,7 +446,7 @@ class KdaFwdIntraTC:
         sV = st.sV.get_tensor(x_layout.outer, swizzle=x_layout.inner)
         # group totals of g (phase 1), then their exclusive prefix by group plus the chunk total in row
         # groups (phase 2's column pass)
-        sTot = st.sTot.get_tensor(cute.make_layout((self.groups + 1, DK), stride=(DK, 1)))
+        sTot = st.sTot.get_tensor(cute.make_layout((GROUPS + 1, DK), stride=(DK, 1)))
         sFirst = st.sFirst.get_tensor(cute.make_layout((NBLK, DK), stride=(DK, 1)))
         sC = st.sC.get_tensor(cute.make_layout((len(PAIRS), DK), stride=(DK, 1)))
         sBeta = st.sBeta.get_tensor(cute.make_layout(CHUNK))
@@ -573,14 +569,13 @@ class KdaFwdIntraTC:
                 ssq[m] = ssq[m] + cute.arch.shuffle_sync_bfly(ssq[m], offset=1 << s)
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             sTot[grp, d0 + c] = gl[rpt - 1, c]
-            if grp % self.gpb == 0:
-                sFirst[grp // self.gpb, d0 + c] = gl[0, c]
+            if grp % GROUPS_PER_BLOCK == 0:
+                sFirst[grp // GROUPS_PER_BLOCK, d0 + c] = gl[0, c]
         cute.arch.sync_threads()
 
         # ============================================ phase 2: reference factors and operand tiles
         shift = lower_bound * F32(-7.5 * RCP_LN2)  # half of a block's largest gate range (log2)
-        blk = grp // self.gpb  # this thread's 16-row block (= warp)
-        kblk = warp
+        blk = grp // GROUPS_PER_BLOCK  # this thread's 16-row block (= warp)
         # column pass (thread = column tidx): the group totals' exclusive prefix in place, the chunk total
         # in row groups, and the off-diagonal factors 2^(C_I − E_J); then every thread reads the few
         # prefixes it needs as 16-byte vectors (instead of selecting them out of a 64-step scan)
@@ -592,9 +587,9 @@ class KdaFwdIntraTC:
         run = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # Γ at the chunk end
         first = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         cute.autovec_copy(_vec(sTot.iterator, grp * DK + d0, COLS_PER_THREAD), pre)
-        cute.autovec_copy(_vec(sTot.iterator, self.gpb * blk * DK + d0, COLS_PER_THREAD), cref)
-        cute.autovec_copy(_vec(sTot.iterator, self.gpb * (blk + 1) * DK + d0, COLS_PER_THREAD), eref)
-        cute.autovec_copy(_vec(sTot.iterator, self.groups * DK + d0, COLS_PER_THREAD), run)
+        cute.autovec_copy(_vec(sTot.iterator, GROUPS_PER_BLOCK * blk * DK + d0, COLS_PER_THREAD), cref)
+        cute.autovec_copy(_vec(sTot.iterator, GROUPS_PER_BLOCK * (blk + 1) * DK + d0, COLS_PER_THREAD), eref)
+        cute.autovec_copy(_vec(sTot.iterator, GROUPS * DK + d0, COLS_PER_THREAD), run)
         cute.autovec_copy(_vec(sFirst.iterator, blk * DK + d0, COLS_PER_THREAD), first)
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             cref[c] = cref[c] + first[c] - shift
@@ -647,7 +642,7 @@ class KdaFwdIntraTC:
             _st8(a_layout, qa_raw, (r, d0, 0), obf)
             obf.store(kt.load().to(BF16))
             _st8(kt_layout, kt_raw, (r, d0, 0), obf)
-            if kblk < NBLK - 1:  # K̂ of block 3 is never a B operand
+            if warp < NBLK - 1:  # K̂ of block 3 is never a B operand
                 obf.store(kh.load().to(BF16))
                 _st8(kb3_layout, kb_raws[2], (r, d0, 0), obf)
             obf.store(xx.load().to(BF16))
@@ -739,7 +734,7 @@ class KdaFwdIntraTC:
             self.invert(sA, sT, sY, warp, lane, tidx, tb_raw)
         # T' = T diag(β) in bf16 (upper blocks zero): the A operand of w and u; each thread forms
         # 8-column pieces of one row
-        tpr = self.threads // CHUNK  # threads per row
+        tpr = THREADS // CHUNK  # threads per row
         ti = tidx // tpr
         tj0 = (tidx % tpr) * (CHUNK // tpr)
         t8 = cute.make_rmem_tensor(cute.make_layout((2, 4), stride=(4, 1)), F32)
@@ -824,7 +819,7 @@ class KdaFwdIntraTC:
         # step 2: the first half of the threads block (1, 0), the second half block (3, 2); a thread owns
         # rows r2 rg .. + r2 - 1 and columns 2cp, 2cp+1
         r2 = 2
-        half_threads = self.threads // 2
+        half_threads = THREADS // 2
         bp = tidx // half_threads
         ib = 2 * bp + 1
         jb = 2 * bp
