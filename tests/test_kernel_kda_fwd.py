@@ -97,7 +97,7 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_prefetch", True), ("intra_tc_pdl_end", True),
                                                ("intra_tc_softplus_gate", True),
                                                ("intra_tc_softplus_fp32_gate_gva", True),
-                                               ("intra_tc_diag_all", True)])
+                                               ("intra_tc_diag_all", True), ("intra_tc_emit_akk", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -171,6 +171,11 @@ def test_ptx_compiles_clean(target, needs_wgmma):
             assert n_pf in (lines, lines // 2), n_pf
         else:
             assert n_pf == 0
+        if target.endswith("emit_akk"):
+            # bf16(T) for FLA's backward: 4 more 16-byte global stores per thread (2 threads per row, 32
+            # columns each), the rest as the default
+            base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc")
+            assert rep.count("st.global.v4") == base.count("st.global.v4") + 4
 
 
 def test_tc_layout_facts():

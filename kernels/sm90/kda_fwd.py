@@ -463,6 +463,7 @@ def kda_fwd(
     return_scratch: bool = False,
     stages: tuple[str, ...] = ("intra", "recur"),
     identity_response: bool = False,
+    fla_factors: bool = False,
 ):
     """KDA forward on the two SM90 kernels.
 
@@ -480,6 +481,12 @@ def kda_fwd(
     ``M [N, HV, K, K]`` fp32 K-first (``S_end = M S0 + S_end(0)``), as ``(o, ht, o_I, M)``. They come from
     a second stage-2 launch on the same stage-1 scratch with ``u = 0`` and ``S0 = I`` (value columns
     evolve independently), run on a side stream so the two sequential passes overlap.
+
+    ``fla_factors`` (training: ``cula.kda._train``): also return what FLA 0.6.0's ``chunk_kda`` saves
+    for its backward from its intra-chunk pass, as ``(o, ht, Aqk, Akk)``: ``Aqk [B, T, HV, 64]``
+    (``scale · q̂ᵢ·(k̂ⱼ ⊙ 2^(Γᵢ−Γⱼ))`` for j ≤ i of i's chunk, zero above) and ``Akk [B, T, HV, 64]``
+    (``T = (I + Akk)^-1``, unit lower triangular), both bf16, in FLA's token-major layout. Only for the
+    tensor-core stage 1 (l2norm and the in-kernel gate) and inputs within the 32-bit offsets.
     """
     from cula.kernels.common.fast_launch import current_stream_handle
     from cula.kernels.sm90 import kda_fwd_intra as intra
@@ -490,6 +497,11 @@ def kda_fwd(
     dev = q.device
     TT = B * T
     scale = K ** -0.5 if scale is None else float(scale)
+    if fla_factors:
+        reason = fla_factors_reason(TT, HV, cu_seqlens, B, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                                    lower_bound, identity_response, return_scratch, stages)
+        if reason is not None:
+            raise ValueError(f"fla_factors: {reason}")
     if _too_big(TT, HV, cu_seqlens, B):  # before the dense copies below: each piece makes its own
         return _fwd_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                               identity_response, return_scratch, stages,
@@ -509,6 +521,8 @@ def kda_fwd(
             ht = h0.clone() if h0 is not None else torch.zeros(N, HV, K, V, device=dev)
             ht = ht if N > 0 else None
         out = o.reshape(B, T, HV, V)
+        if fla_factors:
+            return out, ht, q.new_empty(B, T, HV, CHUNK), q.new_empty(B, T, HV, CHUNK)
         if identity_response:  # the identity passes through too
             eye = torch.eye(K, dtype=torch.float32, device=dev).expand(N, HV, K, K).contiguous()
             return out, ht, o.new_zeros(B, T, HV, K), eye
@@ -523,7 +537,9 @@ def kda_fwd(
     bf16 = torch.bfloat16
     w = torch.empty(HV, R, K, dtype=bf16, device=dev)
     u = torch.empty(HV, R, V, dtype=bf16, device=dev)
-    qg = torch.empty(HV, R, K, dtype=bf16, device=dev)
+    # with fla_factors stage 1 writes bf16(T) right after qg in the same buffer (kda_fwd_intra_tc.emit_akk)
+    qg_akk = torch.empty(HV * R * (K + (CHUNK if fla_factors else 0)), dtype=bf16, device=dev)
+    qg = qg_akk[:HV * R * K].view(HV, R, K)
     aqk = torch.empty(HV, R, CHUNK, dtype=bf16, device=dev)
     kgt = torch.empty(HV, K, R, dtype=bf16, device=dev)
     gam = torch.empty(HV, NC, K, dtype=torch.float32, device=dev)
@@ -554,6 +570,8 @@ def kda_fwd(
                         inv_wgmma=intra_tc.INV_WGMMA,
                         pdl_trigger=recur.PDL_TRIGGER if recur.PDL and recur.PDL_TRIGGER != "none" else "",
                         prefetch_ahead=intra_tc.PREFETCH_AHEAD, softplus_gate=softplus_tc)
+        if fla_factors:  # only set, so the keys of the other calls stay as before
+            tc_flags.update(emit_akk=True)
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
             warnings.warn(f"CULA_KDA_TC_DIAG={','.join(intra_tc.DIAG)}: stage 1's outputs are wrong (timing only)",
                           RuntimeWarning, stacklevel=2)
@@ -606,9 +624,47 @@ def kda_fwd(
         # Join before the scratch dies: its memory may be reused by the next kernels of this stream.
         torch.cuda.current_stream(dev).wait_stream(side)
         return out, ht, o_id.reshape(B, T, HV, K), m_id
+    if fla_factors:
+        rows = token_rows(chunks, TT)
+        akk = qg_akk[HV * R * K:].view(HV, R, CHUNK)
+        return (out, ht, *(x.transpose(0, 1).index_select(0, rows).view(B, T, HV, CHUNK) for x in (aqk, akk)))
     if return_scratch:
         return out, ht, dict(w=w, u=u, qg=qg, aqk=aqk, kgt=kgt, gam=gam)
     return out, ht
+
+
+def token_rows(chunks: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """``[TT]`` int64: the chunk-padded scratch row of each token (chunk ``c``'s valid rows are
+    ``64c .. 64c + nvalid − 1`` for tokens ``tok0 ..``). Torch ops on ``chunks``' device, no host sync:
+    rows of dummy chunks and past a chunk's end scatter into one discarded slot."""
+    nc = chunks.shape[0]
+    r = torch.arange(nc * CHUNK, device=chunks.device)
+    c, i = r // CHUNK, r % CHUNK
+    tok0, nvalid = chunks[c, 0].to(torch.int64), chunks[c, 1].to(torch.int64)
+    dest = torch.where(i < nvalid, tok0 + i, total_tokens)
+    rows = torch.zeros(total_tokens + 1, dtype=torch.int64, device=chunks.device)
+    return rows.scatter_(0, dest, r)[:total_tokens]
+
+
+def fla_factors_reason(total_tokens: int, num_heads_v: int, cu_seqlens, batch: int, use_qk_l2norm_in_kernel: bool,
+                       use_gate_in_kernel: bool, lower_bound, identity_response: bool = False,
+                       return_scratch: bool = False, stages=("intra", "recur")) -> str | None:
+    """Why ``kda_fwd(fla_factors=True)`` cannot serve these inputs, or None."""
+    if intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound) != "tc":
+        return ("FLA's Akk comes from the tensor-core stage 1 only (use_qk_l2norm_in_kernel, use_gate_in_kernel "
+                f"and lower_bound None or in [{_min_lower_bound()}, 0])")
+    too_big = _too_big(total_tokens, num_heads_v, cu_seqlens, batch)
+    if too_big:
+        return f"the input runs in pieces ({too_big})"
+    if identity_response or return_scratch or tuple(stages) != ("intra", "recur"):
+        return "not with identity_response, return_scratch or a partial stages"
+    return None
+
+
+def _min_lower_bound() -> float:
+    from cula.kernels.sm90.kda_fwd_intra_tc import MIN_LOWER_BOUND
+
+    return MIN_LOWER_BOUND
 
 
 def _fwd_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, identity_response,

@@ -132,6 +132,7 @@ class KdaFwdIntraTC:
         pdl_trigger: str = "start",
         prefetch_ahead: int = PREFETCH_AHEAD,
         softplus_gate: bool = False,
+        emit_akk: bool = False,
         diag: tuple = (),
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
@@ -141,6 +142,10 @@ class KdaFwdIntraTC:
         # False: the lower-bounded sigmoid gate lb * sigmoid(exp(A_log) (x + dt_bias)); True: the softplus
         # gate, clamped at the runtime lower_bound (SOFTPLUS_FLOOR)
         self.softplus_gate = softplus_gate
+        # also store bf16(T), T = (I + Akk)^-1, as FLA's saved ``Akk`` (chunk-padded [HV, NC*64, 64] rows
+        # right after qg's [HV, NC*64, 128] in the same buffer, so the argument list stays kda_fwd_intra's):
+        # what FLA's backward needs besides Aqk to run after this forward (cula.kda._train)
+        self.emit_akk = emit_akk
         self.inv_wgmma = inv_wgmma
         # when to signal griddepcontrol.launch_dependents: "start" (on entry: stage 2, launched with
         # programmatic dependent launch, may start once every CTA of this grid is resident, i.e. during
@@ -751,6 +756,13 @@ class KdaFwdIntraTC:
                     tv[c] = F32(0.0)
             obf.store(tv.load().to(BF16))
             _st8(tb_layout, tb_raw, (ti, j0, 0), obf)
+            if cutlass.const_expr(self.emit_akk):
+                for c in cutlass.range_constexpr(8):
+                    tv[c] = t8[c // 4, c % 4]
+                    if j0 // SUB > ti // SUB:
+                        tv[c] = F32(0.0)
+                obf.store(tv.load().to(BF16))
+                cute.autovec_copy(obf, _vec(pQG + HV * R * DK, (hv * R + row0 + ti) * CHUNK + j0, 8))
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
 
@@ -1128,6 +1140,7 @@ def compile_targets():
         "softplus_gate": build(cutlass.BFloat16, **full, softplus_gate=True),
         "softplus_fp32_gate_gva": build(cutlass.Float32, **{**full, "group": 2}, softplus_gate=True),
         "diag_all": build(cutlass.BFloat16, **full, diag=DIAG_OPTIONS),
+        "emit_akk": build(cutlass.BFloat16, **full, emit_akk=True),
     }
 
 
