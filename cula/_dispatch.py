@@ -11,6 +11,8 @@ the first that can take the inputs:
    ``supports(...)`` gives a reason (kernels say "not validated" until their GPU tests pass). A kernel
    that is correct but measured slower than FLA sets ``DISPATCH_OFF`` (the measured reason) and is
    passed over silently unless ``CULA_KERNELS=<name>`` (or ``all``) opts in.
+   Calls needing gradients may first take ``cula-sm90+fla-bwd`` (chunk_kda): our forward kernel under
+   FLA's backward (``cula/kda/_train.py``), considered only for them.
 2. ``fla-triton``: FLA 0.6.0's Triton op on CUDA tensors.
 3. ``torch-ref``: the exact torch references in :mod:`cula.ref` (any device; the CPU path; differentiable).
 
@@ -35,6 +37,8 @@ import torch
 from cula._warn import warn_fallback
 
 CULA_SM90 = "cula-sm90"
+# Our forward kernel under FLA's backward (calls needing gradients; cula/kda/_train.py).
+CULA_SM90_FLA_BWD = "cula-sm90+fla-bwd"
 FLA_TRITON = "fla-triton"
 TORCH_REF = "torch-ref"
 # Context parallel (cula.cp): runs the op's local pass through this same table, on any device.
@@ -228,6 +232,13 @@ class Candidate:
     #: an input that must be given (not None) for this candidate to be considered at all; a call
     #: without it does not skip the candidate (no reason, no warning), it never sees it
     only_with: str | None = None
+    #: considered only for calls needing gradients (the same silence as ``only_with`` otherwise)
+    grad_only: bool = False
+    #: the kernel module a ``run`` candidate needs (checked like ``kernel``'s; FLA is needed too)
+    uses_kernel: str | None = None
+    #: ``"module:attr"`` naming ``(opt-in name, reason or None)``: a path that is off (silently, as a
+    #: kernel's ``DISPATCH_OFF``) while the reason is set, unless ``CULA_KERNELS`` names it
+    switch: str | None = None
 
     # -- environment (no inputs): why this candidate can never run here, or None
 
@@ -242,13 +253,20 @@ class Candidate:
             return "no CUDA device"
         if self.name == FLA_TRITON:
             return None if fla_installed() else "FLA (fla-core) is not installed"
+        if self.name == CULA_SM90_FLA_BWD and not fla_installed():
+            return "FLA (fla-core), whose backward it runs, is not installed"
         arch = device_arch(device) if device is not None else _current_arch()
         if arch != HOPPER:
             return f"GPU is sm_{arch[0]}{arch[1]}, the cula kernels need Hopper (sm_90)"
-        module, reason = load_kernel(self.kernel)
+        kernel = self.kernel or self.uses_kernel
+        module, reason = load_kernel(kernel)
         if reason is not None:
             return reason
-        return default_off_reason(self.kernel, module)
+        if self.switch is not None:
+            name, off = resolve(self.switch)
+            if off and not opted_in(name):
+                return f"{off}; opt in with {OPT_IN_ENV}={name}"
+        return default_off_reason(kernel, module)
 
     # -- inputs: why these inputs cannot take this candidate, or None
 
@@ -311,6 +329,10 @@ def _cp(run: str, limits: str | None = None) -> Candidate:
     return Candidate(CULA_CP, run=run, limits=limits, only_with="cp_context")
 
 
+def _kernel_fla_bwd(kernel: str, run: str, limits: str, switch: str) -> Candidate:
+    return Candidate(CULA_SM90_FLA_BWD, run=run, limits=limits, grad_only=True, uses_kernel=kernel, switch=switch)
+
+
 # ---------------------------------------------------------------------------------------------------
 # THE TABLE: op name -> ordered candidates. Runners live next to each public op (cula/<variant>/_paths.py).
 
@@ -333,6 +355,7 @@ TABLE: dict[str, tuple[Candidate, ...]] = {
     ),
     "chunk_kda": (
         _cp(f"{_K}:cp_chunk", f"{_K}:cp_chunk_limits"),
+        _kernel_fla_bwd("kda_fwd", "cula.kda._train:chunk", "cula.kda._train:limits", "cula.kda._train:SWITCH"),
         _kernel("kda_fwd", f"{_K}:kernel_chunk_limits"),
         _fla(f"{_K}:fla_chunk", f"{_K}:fla_chunk_limits"),
         _ref(f"{_K}:ref_chunk", f"{_K}:ref_chunk_limits"),
@@ -434,6 +457,8 @@ def decide(op: str, inputs: Mapping[str, Any]) -> Decision:
     skipped: list[Skip] = []
     for cand in candidates(op):
         if cand.only_with is not None and inputs.get(cand.only_with) is None:
+            continue
+        if cand.grad_only and not needs_grad(inputs):
             continue
         reason = cand.environment(device)
         if reason is not None:

@@ -107,7 +107,7 @@ def select(runs: list[RunData], gpu_kind: str, explicit: bool = False) -> Select
     return sel
 
 
-_ORDER = ("kda", "kda_layer", "kda_exact", "lightning", "decode", "gdn", "gla", "train", "smoke")
+_ORDER = ("kda", "kda_layer", "kda_exact", "kda_train", "lightning", "decode", "gdn", "gla", "train", "smoke")
 
 
 def _suite_order(name: str) -> tuple[int, str]:

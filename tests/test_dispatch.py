@@ -13,7 +13,7 @@ import torch
 
 import cula
 from cula import CulaFallbackWarning, _dispatch
-from cula._dispatch import CULA_CP, CULA_SM90, FLA_TRITON, TORCH_REF
+from cula._dispatch import CULA_CP, CULA_SM90, CULA_SM90_FLA_BWD, FLA_TRITON, TORCH_REF
 from cula._warn import reset_fallback_warnings
 from cula.kda import chunk_kda, fused_recurrent_kda
 from cula.lightning import lightning_attn_decode, lightning_attn_fwd
@@ -108,11 +108,13 @@ def test_cpu_takes_torch_ref_silently(op, inputs):
 def test_backends_listing_without_inputs():
     table = cula.backends()
     assert set(table) == set(_dispatch.TABLE)
-    assert [s.backend for s in table["chunk_kda"]] == [CULA_CP, CULA_SM90, FLA_TRITON, TORCH_REF]
+    assert [s.backend for s in table["chunk_kda"]] == [CULA_CP, CULA_SM90_FLA_BWD, CULA_SM90, FLA_TRITON,
+                                                       TORCH_REF]
     assert table["chunk_kda"][0].available  # context parallel runs on any device
     assert table["chunk_kda"][-1].available and table["chunk_kda"][-1].reason is None
     if not torch.cuda.is_available():
-        assert table["chunk_kda"][1] == (CULA_SM90, False, "no CUDA device")
+        assert table["chunk_kda"][1] == (CULA_SM90_FLA_BWD, False, "no CUDA device")
+        assert table["chunk_kda"][2] == (CULA_SM90, False, "no CUDA device")
     assert cula.backends("cula.gla.chunk_gla") == table["chunk_gla"]
     with pytest.raises(ValueError, match="^op:"):
         cula.backends("chunk_kdaa")
@@ -253,6 +255,77 @@ def test_gradients_skip_the_kernel(hopper, monkeypatch):
     with torch.no_grad():
         assert cula.backends("lightning_attn_fwd", **lightning(grad=True)).backend == CULA_SM90
     assert not mod.calls
+
+
+def kda_train(grad=True, **extra):
+    """chunk_kda inputs the tensor-core forward serves (l2norm, in-kernel gate), v requiring grad."""
+    x = dict(kda(), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True,
+             A_log=torch.zeros(HV), **extra)
+    if grad:
+        x["v"].requires_grad_()
+    return x
+
+
+def fake_kda_fwd(monkeypatch, reason=None, factors_reason=None, opt_in=True):
+    mod = fake_kernel(monkeypatch, "kda_fwd", reason=reason)
+    mod.fla_factors_reason = lambda *args: factors_reason
+    if opt_in:  # off by default until validated on a GPU (cula.kda._train.SWITCH)
+        monkeypatch.setenv("CULA_KERNELS", "kda_fwd_train")
+    return mod
+
+
+def test_kda_gradients_path_is_off_until_validated(hopper, monkeypatch):
+    from cula.kda import _train
+
+    monkeypatch.setattr(_train, "SWITCH", ("kda_fwd_train", "not yet validated"))
+    fake_kda_fwd(monkeypatch, opt_in=False)
+    d = cula.backends("chunk_kda", **kda_train())
+    assert d.backend == FLA_TRITON
+    assert d.skipped[0].backend == CULA_SM90_FLA_BWD and d.skipped[0].environmental  # silent
+    assert "CULA_KERNELS=kda_fwd_train" in d.skipped[0].reason
+    monkeypatch.setattr(_train, "SWITCH", ("kda_fwd_train", None))  # validated: on for everyone
+    _dispatch.clear_caches()
+    fake_kda_fwd(monkeypatch, opt_in=False)
+    assert cula.backends("chunk_kda", **kda_train()).backend == CULA_SM90_FLA_BWD
+
+
+def test_kda_gradients_take_our_forward_with_flas_backward(hopper, monkeypatch):
+    fake_kda_fwd(monkeypatch)
+    d = cula.backends("chunk_kda", **kda_train())
+    assert d.backend == CULA_SM90_FLA_BWD and not d.skipped
+    # without gradients the candidate is not considered at all (no skip, no warning): the kernel runs
+    d = cula.backends("chunk_kda", **kda_train(grad=False))
+    assert d.backend == CULA_SM90 and not d.skipped
+    with torch.no_grad():
+        assert cula.backends("chunk_kda", **kda_train()).backend == CULA_SM90
+
+
+@pytest.mark.parametrize("extra, factors_reason, words", [
+    (dict(disable_recompute=True), None, "disable_recompute"),
+    (dict(chunk_size=32), None, "chunk_size"),
+    (dict(), "the input runs in pieces", "pieces"),
+])
+def test_kda_gradients_fall_back_to_fla_with_a_reason(hopper, monkeypatch, extra, factors_reason, words):
+    fake_kda_fwd(monkeypatch, factors_reason=factors_reason)
+    d = cula.backends("chunk_kda", **kda_train(**extra))
+    assert d.backend == FLA_TRITON
+    assert [s.backend for s in d.skipped] == [CULA_SM90_FLA_BWD, CULA_SM90]
+    assert words in d.skipped[0].reason and not d.skipped[0].environmental
+
+
+def test_kda_gradients_need_fla_for_the_backward(hopper, monkeypatch):
+    fake_kda_fwd(monkeypatch)
+    monkeypatch.setattr(_dispatch, "fla_installed", lambda: False)
+    d = cula.backends("chunk_kda", **kda_train())
+    assert d.backend == TORCH_REF
+    assert d.skipped[0].backend == CULA_SM90_FLA_BWD and d.skipped[0].environmental
+    assert "backward" in d.skipped[0].reason
+
+
+def test_kda_gradients_kernel_reason_is_named(hopper, monkeypatch):
+    fake_kda_fwd(monkeypatch, reason="K=64 is not 128")
+    d = cula.backends("chunk_kda", **kda_train())
+    assert d.backend == FLA_TRITON and d.skipped[0].reason == "kernel: K=64 is not 128"
 
 
 def test_decay_requiring_grad_skips_fla_simple_gla(hopper):

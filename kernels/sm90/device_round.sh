@@ -48,6 +48,11 @@ for s in $steps; do
             -k "test_gpu_kernel_matches_reference and tc-" \
             && step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
                 --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
+    train)  # chunk_kda with gradients (session 16, CPU-built): our forward under FLA's backward, opt-in until
+        # this passes (cula.kda._train.SWITCH). FLA's backward autotunes on first use (save_triton_cache after)
+        step kda_train 420 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf -s tests/test_kda_train.py \
+            && step kda_train_suite 300 env CULA_KERNELS=kda_fwd_train CULA_GIT_DIRTY=0 python3 -m cula.cli bench \
+                --suite kda_train --mode both --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
     ncu)  # stage 1's stall reasons by instruction (session 6): full set on one B1 T4096 launch
         step ncu 200 ncu --clock-control none -k regex:intra_tc --launch-count 1 --set full \
             --import-source no -o "$OUT/intra_tc" python3 -m cula.kernels.sm90.kda_fwd_profile --stage intra
