@@ -1153,10 +1153,10 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
 
     ``q, k: [TT, H, 128]``, ``v, g: [TT, HV, 128]``, ``beta: [TT, HV]`` (flattened tokens), ``chunks``
     the ``[NC, 2]`` table of ``kda_fwd.chunk_tables``. Returns the dict of ``kda_fwd.emulate_stages``
-    (w, u, qg, aqk, kgt in bf16; gam fp32); off the block diagonal the factor is on the B side, K̂ ⊙
-    bf16(2^(R_I − E_J)) rounded once (what mul.bf16x2 does), and the product times 2^-shift in fp32;
-    ``softplus_gate``: the softplus gate clamped at ``lower_bound`` (``SOFTPLUS_FLOOR``). It exists to
-    test the algorithm (reference factors, block
+    (w, u, qg, aqk, kgt in bf16; gam fp32) plus ``akk``, bf16(T) as ``emit_akk`` stores it; off the block
+    diagonal the factor is on the B side, K̂ ⊙ bf16(2^(R_I − E_J)) rounded once (what mul.bf16x2 does),
+    and the product times 2^-shift in fp32; ``softplus_gate``: the softplus gate clamped at
+    ``lower_bound`` (``SOFTPLUS_FLOOR``). It exists to test the algorithm (reference factors, block
     inverse, where bf16 rounding happens) on a CPU against the exact emulation; the GPU check compares
     the kernel with ``kda_fwd.emulate_stages`` directly.
     """
@@ -1238,7 +1238,8 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
         return x.permute(1, 0, 2, 3).reshape(HV, NC * CHUNK, x.shape[-1])
 
     return dict(w=rows_of(w), u=rows_of(u), qg=rows_of(qg), aqk=rows_of(aqk.to(bf16)),
-                kgt=rows_of(kg).transpose(1, 2), gam=torch.exp2(last[:, :, 0]).permute(1, 0, 2))
+                kgt=rows_of(kg).transpose(1, 2), gam=torch.exp2(last[:, :, 0]).permute(1, 0, 2),
+                akk=rows_of(t.to(bf16)))  # what emit_akk stores (FLA's saved Akk)
 
 
 def _invert_blocked(a):
