@@ -97,7 +97,8 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_prefetch", True), ("intra_tc_pdl_end", True),
                                                ("intra_tc_softplus_gate", True),
                                                ("intra_tc_softplus_fp32_gate_gva", True),
-                                               ("intra_tc_diag_all", True), ("intra_tc_emit_akk", True)])
+                                               ("intra_tc_diag_all", True), ("intra_tc_emit_akk", True),
+                                               ("intra_tc_log_gate", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -165,7 +166,8 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         # both branches have the same shape, ptxas merges them into one on selected addresses (4)
         from cula.kernels.sm90.kda_fwd_intra_tc import PREFETCH_AHEAD
 
-        lines = 2 + 2 + 2 + (4 if "fp32_gate" in target else 2)
+        fp32_g = "fp32_gate" in target or target.endswith("log_gate")  # log_gate: fp32 log-space gates
+        lines = 2 + 2 + 2 + (4 if fp32_g else 2)
         n_pf = rep.count("prefetch.global.L2")
         if target.endswith("prefetch") or PREFETCH_AHEAD:
             assert n_pf in (lines, lines // 2), n_pf
@@ -315,6 +317,35 @@ def test_tc_algorithm_matches_exact_stages(B, T, H, HV, cu, lb, a_scale, neg):
         assert (a - b).norm() / b.norm() < 1e-2, name
 
 
+@pytest.mark.parametrize("lb, depth", [(-5.0, 4.0), (None, 30.0)])
+def test_tc_log_gate_matches_exact_stages(lb, depth):
+    """The log-space gate on the tensor-core stage 1 (safe_gate): the torch model against the exact stages,
+    on gates in [-depth, 0]. With a bound inside it, nothing is clamped; without one, gates below
+    SOFTPLUS_FLOOR are clamped there, so the exact side is given the clamped gate (the kernel's input
+    contract) and must then agree to bf16 error as well."""
+    from cula.kernels.sm90 import kda_fwd_intra_tc as tc
+
+    B, T, H, HV, cu = 1, 150, 1, 2, [0, 0, 15, 79, 150]
+    args, kw = _case(B, T, H, HV, cu, seed=7, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                     safe_gate=True, lower_bound=lb)
+    q, k, v, _, beta = args
+    gen = torch.Generator().manual_seed(8)
+    g = -torch.rand(B, T, HV, 128, generator=gen) * depth
+    floor = tc.SOFTPLUS_FLOOR if lb is None else lb
+    if lb is None:
+        assert (g < floor).double().mean() > 0.3  # the clamp acts on many gates
+    exact_g = g.clamp(min=floor)
+    _, _, exact = kda_fwd.emulate_stages(q, k, v, exact_g, beta, **kw, dtype=torch.float64)
+    qf, kf, vf, gf, bf = kda_fwd._flatten(q, k, v, g, beta)
+    chunks, _, _ = kda_fwd.chunk_tables(kw["cu_seqlens"])
+    model = tc.emulate(*(x.bfloat16() for x in (qf, kf, vf)), gf.float(), bf.bfloat16(), chunks, 128 ** -0.5,
+                       floor, use_qk_l2norm=True, use_beta_sigmoid=True, log_gate=True)
+    for name in ("w", "u", "qg", "aqk", "kgt", "gam"):
+        a, b = model[name].double(), exact[name].double()
+        assert torch.isfinite(a).all(), name
+        assert (a - b).norm() / b.norm() < 1e-2, name
+
+
 def test_tc_routing():
     """Only the inputs the tensor-core stage 1 is built for take it; everything else the exact SIMT one."""
     assert kda_fwd.intra_kind(True, True, -5.0) == "tc"
@@ -323,6 +354,11 @@ def test_tc_routing():
     assert kda_fwd.intra_kind(True, True, None) == "tc"  # softplus gate: clamped at SOFTPLUS_FLOOR
     assert kda_fwd.intra_kind(False, True, -5.0) == "simt"  # no l2norm: bf16 T' may be ill-conditioned
     assert kda_fwd.intra_kind(True, False, -5.0) == "simt"  # precomputed gates: no bound known
+    # ... unless the caller declares them bounded (safe_gate, FLA's contract): clamped to [lb, 0]
+    assert kda_fwd.intra_kind(True, False, -5.0, safe_gate=True) == "tc"
+    assert kda_fwd.intra_kind(True, False, None, safe_gate=True) == "tc"  # clamped at SOFTPLUS_FLOOR
+    assert kda_fwd.intra_kind(True, False, -12.0, safe_gate=True) == "simt"
+    assert kda_fwd.intra_kind(False, False, -5.0, safe_gate=True) == "simt"
 
 
 # ----------------------------------------------------------------------------------------- GPU
@@ -627,6 +663,25 @@ def test_simt_stage1_inputs_go_to_fla_unless_asked(monkeypatch):
     monkeypatch.delenv("CULA_KERNELS")
     monkeypatch.setattr(_dispatch, "fla_installed", lambda: False)
     assert kda_fwd.simt_reason(True, False, None) is None
+
+
+def test_log_gate_is_opt_in_until_validated(monkeypatch):
+    """Log-space gates with safe_gate take the tensor-core stage 1 in kda_fwd, but dispatch leaves them to FLA
+    (with the reason) until LOG_GATE_VALIDATED, unless CULA_KERNELS=kda_fwd_loggate."""
+    pytest.importorskip("cutlass")
+    from cula import _dispatch
+
+    monkeypatch.delenv("CULA_KERNELS", raising=False)
+    monkeypatch.setattr(_dispatch, "fla_installed", lambda: True)
+    monkeypatch.setattr(kda_fwd, "LOG_GATE_VALIDATED", False)
+    reason = kda_fwd.simt_reason(True, False, -5.0, True)
+    assert reason is not None and "not yet validated" in reason and "CULA_KERNELS=kda_fwd_loggate" in reason
+    assert kda_fwd.simt_reason(True, True, -5.0, True) is None  # the in-kernel gate is validated
+    monkeypatch.setenv("CULA_KERNELS", "kda_fwd_loggate")
+    assert kda_fwd.simt_reason(True, False, -5.0, True) is None
+    monkeypatch.delenv("CULA_KERNELS")
+    monkeypatch.setattr(kda_fwd, "LOG_GATE_VALIDATED", True)
+    assert kda_fwd.simt_reason(True, False, None, True) is None
 
 
 @pytest.mark.gpu

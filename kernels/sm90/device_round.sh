@@ -40,19 +40,19 @@ for s in $steps; do
         step kda_check 130 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases tc-varlen-33,tc-varlen-zero,varlen-zero
         step kda_split 60 python3 -m cula.kernels.sm90.kda_fwd --check --split all ;;
-    next)  # session 15's stage 1 (off-diagonal blocks on shared-memory operands, the default; docs/DEVICE.md):
-        # stage 1's occupancy (2 CTAs per SM: its shared memory fills the SM exactly), the tensor-core GPU
-        # cases through pytest (with FLA), then the suite (set CULA_GIT_SHA first)
+    next)  # session 15's stage 1 (off-diagonal blocks on shared-memory operands, the default) and session 16's
+        # log-space gate (docs/DEVICE.md): stage 1's occupancy (2 CTAs per SM: its shared memory fills the SM
+        # exactly), then the tensor-core GPU cases through pytest (with FLA); the suites follow in their own
+        # call (kda_suite kda_layer_suite, CULA_GIT_SHA set)
         step tc_occupancy 120 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_tc_numerics.py
-        step tc_gpu 300 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
-            -k "test_gpu_kernel_matches_reference and tc-" \
-            && step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
-                --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
+        step tc_gpu 420 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "test_gpu_kernel_matches_reference and tc-" ;;
     train)  # chunk_kda with gradients (session 16, CPU-built): our forward under FLA's backward, opt-in until
         # this passes (cula.kda._train.SWITCH). FLA's backward autotunes on first use (save_triton_cache after)
-        step kda_train 420 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf -s tests/test_kda_train.py \
-            && step kda_train_suite 300 env CULA_KERNELS=kda_fwd_train CULA_GIT_DIRTY=0 python3 -m cula.cli bench \
-                --suite kda_train --mode both --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
+        step kda_train 420 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf -s tests/test_kda_train.py ;;
+    train_suite)  # the training step (forward + backward) against FLA's, opt-in path on (CULA_GIT_SHA set)
+        step kda_train_suite 420 env CULA_KERNELS=kda_fwd_train CULA_GIT_DIRTY=0 python3 -m cula.cli bench \
+            --suite kda_train --mode both --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
     ncu)  # stage 1's stall reasons by instruction (session 6): full set on one B1 T4096 launch
         step ncu 200 ncu --clock-control none -k regex:intra_tc --launch-count 1 --set full \
             --import-source no -o "$OUT/intra_tc" python3 -m cula.kernels.sm90.kda_fwd_profile --stage intra

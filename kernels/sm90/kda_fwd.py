@@ -50,6 +50,11 @@ DISPATCH_OFF: str | None = None
 #: ``CULA_KERNELS`` name that keeps the inputs of the SIMT stage 1 on this kernel although FLA is faster
 #: there (see ``simt_reason``).
 SIMT_OPT_IN = "kda_fwd_simt"
+#: Log-space gates declared bounded (safe_gate) on the tensor-core stage 1 (session 16, CPU-checked): off in
+#: dispatch until the tc-loggate-* GPU cases pass; ``CULA_KERNELS=kda_fwd_loggate`` opts in (kda_fwd itself
+#: takes them either way).
+LOG_GATE_VALIDATED = False
+LOG_GATE_OPT_IN = "kda_fwd_loggate"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -103,28 +108,32 @@ def supports(
     misaligned = _misaligned(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     if misaligned:
         return f"cula-sm90 kda_fwd: {misaligned}"
-    return simt_reason(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound)
+    return simt_reason(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, safe_gate)
 
 
-def simt_reason(use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_bound: float | None) -> str | None:
+def simt_reason(use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_bound: float | None,
+                safe_gate: bool = False) -> str | None:
     """Why dispatch hands inputs that need the exact SIMT stage 1 to FLA, or None.
 
     Only the tensor-core stage 1 is faster than FLA. The SIMT one (every input without q/k l2norm or
-    without the in-kernel gate, e.g. FLA's default call with a log-space ``g``) measured 0.38x FLA under
-    CUDA graphs over the ``kda_exact`` suite (run 20261203-201413; B1 T16384 H64 10.2 against 3.9 ms).
-    So those inputs go to FLA when it is installed; ``CULA_KERNELS=kda_fwd_simt`` keeps them here, and
+    without a bounded gate, e.g. FLA's default call with a log-space ``g`` and no ``safe_gate``) measured
+    0.38x FLA under CUDA graphs over the ``kda_exact`` suite (run 20261203-201413; B1 T16384 H64 10.2
+    against 3.9 ms). So those inputs go to FLA when it is installed; ``CULA_KERNELS=kda_fwd_simt`` keeps them here, and
     without FLA this kernel still beats the torch reference by far.
     """
     from cula._dispatch import fla_installed, opted_in
     from cula.kernels.sm90.kda_fwd_intra_tc import MIN_LOWER_BOUND
 
-    if intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound) == "tc":
-        return None
+    if intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, safe_gate) == "tc":
+        if use_gate_in_kernel or LOG_GATE_VALIDATED or opted_in(LOG_GATE_OPT_IN):
+            return None
+        return ("cula-sm90 kda_fwd: log-space gates (safe_gate) on the tensor-core stage 1 are not yet validated "
+                f"on a GPU; FLA runs them (CULA_KERNELS={LOG_GATE_OPT_IN} opts in)")
     if opted_in(SIMT_OPT_IN) or not fla_installed():
         return None
     return ("cula-sm90 kda_fwd: these inputs need its exact SIMT stage 1 (the tensor-core one takes "
-            f"use_qk_l2norm_in_kernel with use_gate_in_kernel and no lower_bound or one in "
-            f"[{MIN_LOWER_BOUND:g}, 0]), "
+            f"use_qk_l2norm_in_kernel with use_gate_in_kernel, or a log-space g declared bounded by "
+            f"safe_gate, and no lower_bound or one in [{MIN_LOWER_BOUND:g}, 0]), "
             f"which measured 0.38x FLA; FLA runs them (CULA_KERNELS={SIMT_OPT_IN} keeps them here)")
 
 
@@ -551,9 +560,10 @@ def kda_fwd(
                    *(((h0, 16),) if h0 is not None else ()))
 
     dts = (_cute_dtype(q.dtype), _cute_dtype(g.dtype), _cute_dtype(beta.dtype))
-    kind = intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound)
-    softplus_tc = kind == "tc" and lower_bound is None
-    if softplus_tc:  # the tensor-core stage 1 clamps the softplus gate at this floor (see SOFTPLUS_FLOOR)
+    kind = intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, safe_gate)
+    log_tc = kind == "tc" and not use_gate_in_kernel  # a precomputed gate, bounded by the caller
+    softplus_tc = kind == "tc" and use_gate_in_kernel and lower_bound is None
+    if (softplus_tc or log_tc) and lower_bound is None:  # the tensor-core stage 1 clamps at this floor
         from cula.kernels.sm90.kda_fwd_intra_tc import SOFTPLUS_FLOOR
         lb = SOFTPLUS_FLOOR
     else:
@@ -572,6 +582,8 @@ def kda_fwd(
                         prefetch_ahead=intra_tc.PREFETCH_AHEAD, softplus_gate=softplus_tc)
         if fla_factors:  # only set, so the keys of the other calls stay as before
             tc_flags.update(emit_akk=True)
+        if log_tc:
+            tc_flags.update(log_gate=True, has_a_log=False, has_dt_bias=False)
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
             warnings.warn(f"CULA_KDA_TC_DIAG={','.join(intra_tc.DIAG)}: stage 1's outputs are wrong (timing only)",
                           RuntimeWarning, stacklevel=2)
@@ -696,11 +708,18 @@ def _side_stream(dev: torch.device) -> "torch.cuda.Stream":
     return _SIDE_STREAMS[index]
 
 
-def intra_kind(use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_bound: float | None) -> str:
-    """Which stage-1 kernel ``kda_fwd`` runs: ``"tc"`` (tensor cores) or ``"simt"`` (exact for any gate)."""
+def intra_kind(use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_bound: float | None,
+               safe_gate: bool = False) -> str:
+    """Which stage-1 kernel ``kda_fwd`` runs: ``"tc"`` (tensor cores) or ``"simt"`` (exact for any gate).
+
+    The tensor-core one needs q/k l2norm and a per-token bound on the gate: the in-kernel gate (its
+    lower_bound, or the softplus form clamped at SOFTPLUS_FLOOR), or a log-space gate the caller declares
+    bounded with ``safe_gate`` (FLA's contract for precomputed gates; clamped to [lower_bound, 0], the
+    floor when lower_bound is None)."""
     from cula.kernels.sm90.kda_fwd_intra_tc import MIN_LOWER_BOUND
 
-    if (INTRA_TC and use_qk_l2norm_in_kernel and use_gate_in_kernel
+    bounded = use_gate_in_kernel or safe_gate
+    if (INTRA_TC and use_qk_l2norm_in_kernel and bounded
             and (lower_bound is None or MIN_LOWER_BOUND <= lower_bound <= 0.0)):
         return "tc"
     return "simt"

@@ -46,6 +46,14 @@ CASES = [
     # gates far below the floor in many channels (exp(A_log) up to ~e^6)
     ("tc-softplus-strong", 1, 300, 2, 2, None, dict(_TC, safe_gate=False, a_log_scale=3.0)),
     ("tc-softplus-varlen-zero", 1, 200, 2, 4, [0, 0, 15, 15, 79, 200], dict(_TC, safe_gate=False)),
+    # precomputed (log-space, fp32) gates declared bounded by safe_gate: clamped to [lower_bound, 0] (the
+    # floor without a bound); g_log_scale 30 puts some gates below -11, where the clamp acts (as for the
+    # in-kernel softplus gate)
+    ("tc-loggate-safe-varlen", 1, 200, 2, 4, [0, 0, 15, 15, 79, 200],
+     dict(use_qk_l2norm_in_kernel=True, g_log=True, safe_gate=True, lower_bound=-5.0,
+          use_beta_sigmoid_in_kernel=True)),
+    ("tc-loggate-safe-floor", 2, 65, 1, 2, None,
+     dict(use_qk_l2norm_in_kernel=True, g_log=True, g_log_scale=30.0, safe_gate=True)),
 ]
 
 
@@ -59,11 +67,12 @@ def _inputs(name, B, T, H, HV, cu, flags, dev, seed=0):
     g_log = flags.pop("g_log", False)
     g_fp32 = flags.pop("g_fp32", False)  # raw gate given in fp32
     a_log_scale = flags.pop("a_log_scale", 0.5)  # larger: gates saturate at the lower bound
+    g_log_scale = flags.pop("g_log_scale", 0.5)  # log-space gates uniform in [-g_log_scale, 0]
     q = r(B, T, H, 128).to(dev, torch.bfloat16)
     k = r(B, T, H, 128).to(dev, torch.bfloat16)
     v = r(B, T, HV, 128).to(dev, torch.bfloat16)
     if g_log:  # already log-space decay, fp32 input
-        g = (-torch.rand(B, T, HV, 128, generator=gen) * 0.5).to(dev, torch.float32)
+        g = (-torch.rand(B, T, HV, 128, generator=gen) * g_log_scale).to(dev, torch.float32)
     else:
         g = r(B, T, HV, 128).to(dev, torch.float32 if g_fp32 else torch.bfloat16)
     beta = (r(B, T, HV) if flags.get("use_beta_sigmoid_in_kernel") else torch.rand(B, T, HV, generator=gen)).to(dev, torch.bfloat16)
@@ -259,7 +268,7 @@ def main(argv: list[str]) -> int:
         n_ok += ok
         fl = case[-1]
         kind = intra_kind(fl.get("use_qk_l2norm_in_kernel", False), fl.get("use_gate_in_kernel", False),
-                          fl.get("lower_bound"))
+                          fl.get("lower_bound"), fl.get("safe_gate", False))
         print(f"case {case[0]} [{kind}]: {'PASS' if ok else 'FAIL'} "
               + " ".join(f"{k}={v:.2e}" for k, v in errs.items()), flush=True)
     print(f"correctness: {n_ok}/{len(cases)} passed in {time.time() - t0:.1f} s", flush=True)

@@ -133,6 +133,7 @@ class KdaFwdIntraTC:
         prefetch_ahead: int = PREFETCH_AHEAD,
         softplus_gate: bool = False,
         emit_akk: bool = False,
+        log_gate: bool = False,
         diag: tuple = (),
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
@@ -142,6 +143,11 @@ class KdaFwdIntraTC:
         # False: the lower-bounded sigmoid gate lb * sigmoid(exp(A_log) (x + dt_bias)); True: the softplus
         # gate, clamped at the runtime lower_bound (SOFTPLUS_FLOOR)
         self.softplus_gate = softplus_gate
+        # True: g is already the log-space decay (natural log; FLA's use_gate_in_kernel=False with safe_gate,
+        # i.e. the caller bounds it), taken to log2 units and clamped to [lower_bound, 0] (the exponent
+        # safety needs the bound; SOFTPLUS_FLOOR when the caller gives none)
+        assert not (log_gate and softplus_gate), "one gate form"
+        self.log_gate = log_gate
         # also store bf16(T), T = (I + Akk)^-1, as FLA's saved ``Akk`` (chunk-padded [HV, NC*64, 64] rows
         # right after qg's [HV, NC*64, 128] in the same buffer, so the argument list stays kda_fwd_intra's):
         # what FLA's backward needs besides Aqk to run after this forward (cula.kda._train)
@@ -554,7 +560,11 @@ class KdaFwdIntraTC:
                 prev = F32(0.0)
                 if cutlass.const_expr(rr > 0):
                     prev = gl[rr - 1, c]
-                if cutlass.const_expr(self.softplus_gate):
+                if cutlass.const_expr(self.log_gate):
+                    # min(max(g / ln 2, lb / ln 2), 0), the min as -max(-y, 0)
+                    y = cute.arch.fmax(xg[c] * F32(RCP_LN2), lb_log2)
+                    gl[rr, c] = prev - keep * cute.arch.fmax(-y, F32(0.0))
+                elif cutlass.const_expr(self.softplus_gate):
                     # softplus in log2 units, log2(1 + 2^y) with y = (x + dt_bias) log2(e), and y itself
                     # past the threshold (there log2(1 + 2^T) < y: a max, no branch); times -a, clamped
                     # at the floor lb / ln 2
@@ -1141,6 +1151,8 @@ def compile_targets():
         "softplus_fp32_gate_gva": build(cutlass.Float32, **{**full, "group": 2}, softplus_gate=True),
         "diag_all": build(cutlass.BFloat16, **full, diag=DIAG_OPTIONS),
         "emit_akk": build(cutlass.BFloat16, **full, emit_akk=True),
+        # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
+        "log_gate": build(cutlass.Float32, **{**full, "has_a_log": False, "has_dt_bias": False}, log_gate=True),
     }
 
 
@@ -1148,7 +1160,8 @@ def compile_targets():
 # torch model of the kernel (same factorisation, inverse steps and bf16 rounding points)
 # ------------------------------------------------------------------------------------------------
 def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=None,
-            use_qk_l2norm=False, use_beta_sigmoid=False, allow_neg_eigval=False, softplus_gate=False):
+            use_qk_l2norm=False, use_beta_sigmoid=False, allow_neg_eigval=False, softplus_gate=False,
+            log_gate=False):
     """The stage-1 scratch exactly as this kernel forms it, in torch (CPU or GPU).
 
     ``q, k: [TT, H, 128]``, ``v, g: [TT, HV, 128]``, ``beta: [TT, HV]`` (flattened tokens), ``chunks``
@@ -1156,7 +1169,8 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
     (w, u, qg, aqk, kgt in bf16; gam fp32) plus ``akk``, bf16(T) as ``emit_akk`` stores it; off the block
     diagonal the factor is on the B side, K̂ ⊙ bf16(2^(R_I − E_J)) rounded once (what mul.bf16x2 does),
     and the product times 2^-shift in fp32; ``softplus_gate``: the softplus gate clamped at
-    ``lower_bound`` (``SOFTPLUS_FLOOR``). It exists to test the algorithm (reference factors, block
+    ``lower_bound`` (``SOFTPLUS_FLOOR``); ``log_gate``: ``g`` is the log-space decay, clamped to
+    ``[lower_bound, 0]``. It exists to test the algorithm (reference factors, block
     inverse, where bf16 rounding happens) on a CPU against the exact emulation; the GPU check compares
     the kernel with ``kda_fwd.emulate_stages`` directly.
     """
@@ -1180,7 +1194,9 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
     vc, gc = gather(v, "v") * kf, gather(g, "v")
     a_exp = torch.ones(HV, device=dev) if A_log is None else A_log.float().exp()
     dtb = torch.zeros(HV, DK, device=dev) if dt_bias is None else dt_bias.float().reshape(HV, DK)
-    if softplus_gate:
+    if log_gate:
+        gv = torch.clamp(gc, min=lower_bound, max=0.0) * RCP_LN2 * kf
+    elif softplus_gate:
         sp = torch.nn.functional.softplus(gc + dtb[None, :, None, :], threshold=SOFTPLUS_THRESHOLD)
         gv = torch.clamp(-a_exp[None, :, None, None] * sp, min=lower_bound) * RCP_LN2 * kf
     else:
