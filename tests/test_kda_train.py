@@ -126,6 +126,36 @@ class _Recorder:
         monkeypatch.setattr(bwd, "chunk_kda_bwd", chunk_kda_bwd)
 
 
+def test_autograd_wiring_without_optional_inputs(monkeypatch):
+    """No A_log, dt_bias or initial state (the lower-bounded gate needs no A_log): FLA's backward may still
+    return tensors in those slots, which autograd would refuse for None inputs."""
+    pytest.importorskip("fla")
+    import fla.ops.kda.chunk_bwd as bwd
+
+    from cula.kda import _train
+
+    _Recorder(monkeypatch)
+
+    def chunk_kda_bwd(**kw):
+        q, v, g = kw["q"], kw["v"], kw["g_org"]
+        return (torch.ones_like(q), torch.ones_like(q), torch.ones_like(v), torch.ones(v.shape[:-1]),
+                torch.ones_like(g), torch.ones(1), torch.ones(1), torch.ones(1))
+
+    monkeypatch.setattr(bwd, "chunk_kda_bwd", chunk_kda_bwd)
+    monkeypatch.setattr(kda_fwd, "kda_fwd", lambda q, k, v, g, beta, **kw: (v.clone(), None, None, None))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    x = dict(q=torch.randn(1, 64, 1, 128), k=torch.randn(1, 64, 1, 128), v=torch.randn(1, 64, 1, 128),
+             g=torch.randn(1, 64, 1, 128), beta=torch.randn(1, 64, 1))
+    for t in x.values():
+        t.requires_grad_()
+    o, h = _train.chunk(dict(x, A_log=None, dt_bias=None, initial_state=None, scale=None, output_final_state=False,
+                             use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=True,
+                             lower_bound=-5.0, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None))
+    assert h is None
+    o.sum().backward()
+    assert all(t.grad is not None for t in x.values())
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("sigmoid", [False, True])
 @pytest.mark.parametrize("ht", [False, True])

@@ -46,6 +46,8 @@ def limits(inputs: Mapping[str, Any]) -> str | None:
                 "does not form")
     if inputs.get("return_intermediate_states") or inputs.get("use_graph") or inputs.get("cp_context") is not None:
         return "return_intermediate_states, use_graph and cp_context run FLA's chunk_kda"
+    if not inputs["use_gate_in_kernel"]:
+        return "a log-space g: FLA's backward then reads its saved gate cumsum, which cula's forward does not form"
     if inputs.get("chunk_size", CHUNK) != CHUNK:
         return f"chunk_size {inputs.get('chunk_size')}: FLA's saved Akk is per 64-token chunk here, expected 64"
     module, reason = load_kernel("kda_fwd")
@@ -150,5 +152,9 @@ class _CulaForwardFlaBackward(torch.autograd.Function):
             dk = l2norm_bwd(k_n, k_rstd, dk)
             if opts.use_beta_sigmoid_in_kernel:
                 db = fused_beta_sigmoid_bwd(x=beta, dy=db, scale=opts.beta_scale)
+        # autograd refuses a gradient for an input that was None
+        dA = dA if A_log is not None else None
+        dbias = dbias if dt_bias is not None else None
+        dh0 = dh0 if initial_state is not None else None
         return (dq.to(q_n.dtype), dk.to(k_n.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype),
                 dA, dbias, dh0, None, None)
