@@ -268,7 +268,7 @@ def kda_train(grad=True, **extra):
 
 def fake_kda_fwd(monkeypatch, reason=None, factors_reason=None, opt_in=True):
     mod = fake_kernel(monkeypatch, "kda_fwd", reason=reason)
-    mod.fla_factors_reason = lambda *args: factors_reason
+    mod.fla_factors_reason = lambda *args, **kwargs: factors_reason
     if opt_in:  # off by default until validated on a GPU (cula.kda._train.SWITCH)
         monkeypatch.setenv("CULA_KERNELS", "kda_fwd_train")
     return mod

@@ -12,6 +12,7 @@ FLA's chunk_kda and the fp64 reference's autograd.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -106,16 +107,25 @@ class _Recorder:
         import fla.modules.norm.l2norm as l2
         import fla.ops.common.gate as gate
         import fla.ops.kda.chunk_bwd as bwd
+        import fla.ops.utils.cumsum as cumsum
 
         self.bwd_kwargs = {}
         monkeypatch.setattr(l2, "l2norm_fwd", lambda x: (x * 0.5, torch.full(x.shape[:-1], 2.0)))
         monkeypatch.setattr(l2, "l2norm_bwd", lambda y, rstd, dy: dy * 10)
         monkeypatch.setattr(gate, "fused_beta_sigmoid", lambda x, scale=1.0: torch.sigmoid(x.float()) * scale)
         monkeypatch.setattr(gate, "fused_beta_sigmoid_bwd", lambda x, dy, scale=1.0: dy * 100)
+        self.cumsum_kwargs = None
+
+        def chunk_local_cumsum(g, **kw):
+            self.cumsum_kwargs = kw
+            self.g_cumsum = g.float() * 2
+            return self.g_cumsum
+
+        monkeypatch.setattr(cumsum, "chunk_local_cumsum", chunk_local_cumsum)
 
         def chunk_kda_bwd(**kw):
             self.bwd_kwargs = kw
-            q, v, g = kw["q"], kw["v"], kw["g_org"]
+            q, v, g = kw["q"], kw["v"], kw["g_org"] if kw["g_org"] is not None else kw["g"]
             dh0 = None if kw["initial_state"] is None else torch.full_like(kw["initial_state"], 6.0)
             dA = None if kw["A_log"] is None else torch.full_like(kw["A_log"], 7.0)
             dbias = None if kw["dt_bias"] is None else torch.full_like(kw["dt_bias"], 8.0)
@@ -149,8 +159,9 @@ def test_autograd_wiring_without_optional_inputs(monkeypatch):
     for t in x.values():
         t.requires_grad_()
     o, h = _train.chunk(dict(x, A_log=None, dt_bias=None, initial_state=None, scale=None, output_final_state=False,
-                             use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=True,
-                             lower_bound=-5.0, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None))
+                             use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                             safe_gate=True, lower_bound=-5.0, state_v_first=False, cu_seqlens=None,
+                             cu_seqlens_cpu=None))
     assert h is None
     o.sum().backward()
     assert all(t.grad is not None for t in x.values())
@@ -159,9 +170,11 @@ def test_autograd_wiring_without_optional_inputs(monkeypatch):
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("sigmoid", [False, True])
 @pytest.mark.parametrize("ht", [False, True])
-def test_autograd_wiring(monkeypatch, varlen, sigmoid, ht):
+@pytest.mark.parametrize("log_gate", [False, True])
+def test_autograd_wiring(monkeypatch, varlen, sigmoid, ht, log_gate):
     """Each gradient reaches its own input through FLA's backward and the l2norm / sigmoid backwards;
-    FLA's backward gets our Aqk / Akk, the raw gate as g_org (it recomputes the cumsum), sigmoid(beta)."""
+    FLA's backward gets our Aqk / Akk, sigmoid(beta), and the raw gate as g_org (it recomputes the cumsum)
+    or, for a log-space gate, FLA's chunk-local cumsum of it as g."""
     pytest.importorskip("fla")
     from cula.kda import _train
 
@@ -170,7 +183,7 @@ def test_autograd_wiring(monkeypatch, varlen, sigmoid, ht):
     aqk_made, akk_made = torch.randn(B, T, HV, 64), torch.randn(B, T, HV, 64)
 
     def fake_kda_fwd(q, k, v, g, beta, **kw):
-        assert kw["fla_factors"] and kw["use_qk_l2norm_in_kernel"] and kw["use_gate_in_kernel"]
+        assert kw["fla_factors"] and kw["use_qk_l2norm_in_kernel"] and kw["use_gate_in_kernel"] == (not log_gate)
         state = torch.zeros(2 if varlen else B, HV, 128, 128) if kw["output_final_state"] else None
         return v.clone(), state, aqk_made, akk_made
 
@@ -185,7 +198,8 @@ def test_autograd_wiring(monkeypatch, varlen, sigmoid, ht):
     for t in x.values():
         t.requires_grad_()
     inputs = dict(x, scale=None, output_final_state=ht, use_qk_l2norm_in_kernel=True,
-                  use_beta_sigmoid_in_kernel=sigmoid, allow_neg_eigval=False, safe_gate=True, lower_bound=-5.0,
+                  use_gate_in_kernel=not log_gate, use_beta_sigmoid_in_kernel=sigmoid, allow_neg_eigval=False,
+                  safe_gate=True, lower_bound=-5.0,
                   state_v_first=False, cu_seqlens=torch.tensor([0, 30, 100]) if varlen else None,
                   cu_seqlens_cpu=None)
     o, h = _train.chunk(inputs)
@@ -196,7 +210,14 @@ def test_autograd_wiring(monkeypatch, varlen, sigmoid, ht):
         assert torch.all(x[name].grad == want), name
     kw = rec.bwd_kwargs
     assert kw["Aqk"] is aqk_made and kw["Akk"] is akk_made
-    assert kw["g"] is None and kw["g_org"] is x["g"] and kw["use_gate_in_kernel"] and not kw["disable_recompute"]
+    if log_gate:
+        assert kw["g"] is rec.g_cumsum and kw["g_org"] is None and not kw["use_gate_in_kernel"]
+        assert rec.cumsum_kwargs["chunk_size"] == 64
+        assert rec.cumsum_kwargs["scale"] == pytest.approx(1 / math.log(2))  # log2 units, as FLA saves it
+    else:
+        assert kw["g"] is None and kw["g_org"] is x["g"] and kw["use_gate_in_kernel"]
+        assert rec.cumsum_kwargs is None
+    assert not kw["disable_recompute"]
     assert kw["scale"] == 128 ** -0.5 and kw["lower_bound"] == -5.0 and kw["safe_gate"]
     assert torch.equal(kw["q"], x["q"].detach() * 0.5)  # the l2norm_fwd output, as FLA saves it
     want_beta = torch.sigmoid(x["beta"].detach()) if sigmoid else x["beta"].detach()
@@ -211,7 +232,7 @@ def test_autograd_wiring(monkeypatch, varlen, sigmoid, ht):
 # --------------------------------------------------------------------------------------------- GPU
 
 
-def _gpu_case(B, T, H, HV, cu, seed, lower_bound, sigmoid, h0, v_first):
+def _gpu_case(B, T, H, HV, cu, seed, lower_bound, sigmoid, h0, v_first, gate="kernel"):
     gen = torch.Generator().manual_seed(seed)
     dev = "cuda"
     N = B if cu is None else len(cu) - 1
@@ -221,22 +242,29 @@ def _gpu_case(B, T, H, HV, cu, seed, lower_bound, sigmoid, h0, v_first):
     x = {n: t.to(dev, torch.bfloat16) for n, t in x.items()}
     if not sigmoid:
         x["beta"] = torch.sigmoid(x["beta"].float()).to(torch.bfloat16)
-    x["A_log"] = (torch.randn(HV, generator=gen) * 0.5).to(dev)
-    x["dt_bias"] = (torch.randn(HV * 128, generator=gen) * 0.1).to(dev)
+    if gate == "log":  # precomputed log-space decays (fp32, as FLA's gate kernels write them), within the bound
+        x["g"] = (-torch.rand(B, T, HV, 128, generator=gen) * 3.0).to(dev)
+    else:
+        x["A_log"] = (torch.randn(HV, generator=gen) * 0.5).to(dev)
+        x["dt_bias"] = (torch.randn(HV * 128, generator=gen) * 0.1).to(dev)
     if h0:
         x["initial_state"] = (torch.randn(N, HV, 128, 128, generator=gen) * 0.1).to(dev)
-    kw = dict(scale=128 ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-              use_beta_sigmoid_in_kernel=sigmoid, safe_gate=lower_bound is not None, lower_bound=lower_bound,
+    kw = dict(scale=128 ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True,
+              use_gate_in_kernel=gate == "kernel", use_beta_sigmoid_in_kernel=sigmoid,
+              safe_gate=lower_bound is not None or gate == "log", lower_bound=lower_bound,
               state_v_first=v_first, cu_seqlens=None if cu is None else torch.tensor(cu, device=dev))
     return x, kw
 
 
 GPU_CASES = [
-    pytest.param(2, 200, 2, 2, None, -5.0, True, True, False, id="B2-T200-lb5-h0"),
-    pytest.param(1, 300, 1, 2, [0, 0, 1, 64, 65, 300], -5.0, True, True, True, id="varlen-zero-gva-vfirst"),
-    pytest.param(1, 1000, 2, 2, [0, 333, 1000], None, False, False, False, id="varlen-softplus-plainbeta"),
-    pytest.param(1, 63, 1, 1, None, -1.0, True, False, False, id="T63-lb1"),
+    pytest.param(2, 200, 2, 2, None, -5.0, True, True, False, "kernel", id="B2-T200-lb5-h0"),
+    pytest.param(1, 300, 1, 2, [0, 0, 1, 64, 65, 300], -5.0, True, True, True, "kernel", id="varlen-zero-gva-vfirst"),
+    pytest.param(1, 1000, 2, 2, [0, 333, 1000], None, False, False, False, "kernel", id="varlen-softplus-plainbeta"),
+    pytest.param(1, 63, 1, 1, None, -1.0, True, False, False, "kernel", id="T63-lb1"),
+    pytest.param(1, 200, 2, 2, [0, 70, 200], -5.0, True, True, False, "log", id="varlen-loggate-safe"),
 ]
+#: the log-space gate on the tensor-core stage 1 is opt-in too until validated (kda_fwd.LOG_GATE_VALIDATED)
+OPT_IN = "kda_fwd_train,kda_fwd_loggate"
 
 
 def _rel(a, b):
@@ -251,8 +279,8 @@ def _run(fn, x, kw, do, dht):
 
 
 @gpu
-@pytest.mark.parametrize("B,T,H,HV,cu,lb,sigmoid,h0,v_first", GPU_CASES)
-def test_gpu_gradients_match_fla(B, T, H, HV, cu, lb, sigmoid, h0, v_first, monkeypatch):
+@pytest.mark.parametrize("B,T,H,HV,cu,lb,sigmoid,h0,v_first,gate", GPU_CASES)
+def test_gpu_gradients_match_fla(B, T, H, HV, cu, lb, sigmoid, h0, v_first, gate, monkeypatch):
     """Gradients of every input through cula (our forward, FLA's backward) against FLA's chunk_kda and
     the fp64 reference's autograd. Tolerance: our error against fp64 within 1.5x FLA's own (+1e-3): the
     backward is FLA's code, fed our bf16 Aqk / Akk instead of FLA's (two bf16 roundings of the same
@@ -260,14 +288,14 @@ def test_gpu_gradients_match_fla(B, T, H, HV, cu, lb, sigmoid, h0, v_first, monk
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("fla")
-    monkeypatch.setenv("CULA_KERNELS", "kda_fwd_train")  # the path is opt-in until these tests pass
+    monkeypatch.setenv("CULA_KERNELS", OPT_IN)  # the path is opt-in until these tests pass
     import cula
     from cula._dispatch import CULA_SM90_FLA_BWD
     from cula.kda import chunk_kda
     from cula.ref import kda as ref
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-    x, kw = _gpu_case(B, T, H, HV, cu, 0, lb, sigmoid, h0, v_first)
+    x, kw = _gpu_case(B, T, H, HV, cu, 0, lb, sigmoid, h0, v_first, gate)
     leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
     assert cula.backends("chunk_kda", **leaves, **kw).backend == CULA_SM90_FLA_BWD
     gen = torch.Generator().manual_seed(1)
@@ -292,25 +320,25 @@ def test_gpu_gradients_match_fla(B, T, H, HV, cu, lb, sigmoid, h0, v_first, monk
 
 
 @gpu
-@pytest.mark.parametrize("B,T,H,HV,cu,lb,sigmoid,h0,v_first", GPU_CASES[:2])
-def test_gpu_saved_factors_match_flas(B, T, H, HV, cu, lb, sigmoid, h0, v_first, monkeypatch):
+@pytest.mark.parametrize("B,T,H,HV,cu,lb,sigmoid,h0,v_first,gate", GPU_CASES[:2] + GPU_CASES[-1:])
+def test_gpu_saved_factors_match_flas(B, T, H, HV, cu, lb, sigmoid, h0, v_first, gate, monkeypatch):
     """The Aqk / Akk our forward saves against the ones FLA's forward saves (its autograd node's saved
     tensors 11 and 12): the same quantities in bf16, so within a few bf16 ulps of each other (norm-relative
     2e-2; Aqk compared on and below the diagonal, FLA leaves the rest of its buffer unwritten)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("fla")
-    monkeypatch.setenv("CULA_KERNELS", "kda_fwd_train")  # the path is opt-in until these tests pass
+    monkeypatch.setenv("CULA_KERNELS", OPT_IN)  # the path is opt-in until these tests pass
     from cula.kda import chunk_kda
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-    x, kw = _gpu_case(B, T, H, HV, cu, 0, lb, sigmoid, h0, v_first)
+    x, kw = _gpu_case(B, T, H, HV, cu, 0, lb, sigmoid, h0, v_first, gate)
     leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
     o_c, _ = chunk_kda(**leaves, **kw)
     o_f, _ = fla_chunk_kda(**leaves, **kw)
     ours = o_c.grad_fn.saved_tensors
     theirs = o_f.grad_fn.saved_tensors
-    aqk_c, akk_c = ours[10], ours[11]
+    aqk_c, akk_c = ours[11], ours[12]
     aqk_f, akk_f = theirs[11], theirs[12]
     assert aqk_c.shape == aqk_f.shape and akk_c.shape == akk_f.shape
     TT = B * T

@@ -9,10 +9,11 @@ pieces come from FLA's own kernels (``l2norm_fwd``, ``fused_beta_sigmoid``), so 
 exactly the tensors it expects.
 
 Which calls take this path: CUDA inputs on Hopper needing gradients that the tensor-core forward
-serves (bf16 q/k/v with K = V = 128, ``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``,
-``lower_bound`` None or in [-11, 0]), with ``disable_recompute=False``, ``chunk_size=64``, no
-``cp_context``, ``use_graph`` or ``return_intermediate_states``. Everything else with gradients runs
-FLA's whole ``chunk_kda``.
+serves (bf16 q/k/v with K = V = 128, ``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel`` or a log-space
+``g`` with ``safe_gate``, ``lower_bound`` None or in [-11, 0]), with ``disable_recompute=False``,
+``chunk_size=64``, no ``cp_context``, ``use_graph`` or ``return_intermediate_states``. With a log-space
+``g`` FLA saves its chunk-local cumsum (log2 units) instead of recomputing the gate: FLA's
+``chunk_local_cumsum`` forms it here. Everything else with gradients runs FLA's whole ``chunk_kda``.
 
 Numerics: o and the final state are the inference path's, bit for bit (the same kernels on the same
 inputs). The backward sees our bf16 ``Aqk`` / ``Akk`` where FLA's forward would have given its own
@@ -46,8 +47,6 @@ def limits(inputs: Mapping[str, Any]) -> str | None:
                 "does not form")
     if inputs.get("return_intermediate_states") or inputs.get("use_graph") or inputs.get("cp_context") is not None:
         return "return_intermediate_states, use_graph and cp_context run FLA's chunk_kda"
-    if not inputs["use_gate_in_kernel"]:
-        return "a log-space g: FLA's backward then reads its saved gate cumsum, which cula's forward does not form"
     if inputs.get("chunk_size", CHUNK) != CHUNK:
         return f"chunk_size {inputs.get('chunk_size')}: FLA's saved Akk is per 64-token chunk here, expected 64"
     module, reason = load_kernel("kda_fwd")
@@ -60,7 +59,8 @@ def limits(inputs: Mapping[str, Any]) -> str | None:
     q, v = inputs["q"], inputs["v"]
     B, T = q.shape[:2]
     return module.fla_factors_reason(B * T, v.shape[2], inputs["cu_seqlens"], B, inputs["use_qk_l2norm_in_kernel"],
-                                     inputs["use_gate_in_kernel"], inputs["lower_bound"])
+                                     inputs["use_gate_in_kernel"], inputs["lower_bound"],
+                                     safe_gate=bool(inputs["safe_gate"]))
 
 
 def chunk(inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -68,6 +68,7 @@ def chunk(inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]
     opts = _Options(
         scale=resolved_scale(inputs),
         output_final_state=bool(inputs["output_final_state"]),
+        use_gate_in_kernel=bool(inputs["use_gate_in_kernel"]),
         use_beta_sigmoid_in_kernel=bool(inputs["use_beta_sigmoid_in_kernel"]),
         allow_neg_eigval=bool(inputs["allow_neg_eigval"]),
         safe_gate=bool(inputs["safe_gate"]),
@@ -85,7 +86,7 @@ def chunk(inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]
 class _Options:
     """The non-tensor arguments of one call (autograd.Function.apply takes tensors and plain objects)."""
 
-    __slots__ = ("scale", "output_final_state", "use_beta_sigmoid_in_kernel",
+    __slots__ = ("scale", "output_final_state", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
                  "allow_neg_eigval", "safe_gate", "lower_bound", "state_v_first", "cu_seqlens_cpu")
 
     def __init__(self, **values: Any) -> None:
@@ -102,6 +103,9 @@ class _CulaForwardFlaBackward(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: _Options):
         from fla.modules.norm.l2norm import l2norm_fwd
         from fla.ops.common.gate import fused_beta_sigmoid
+        from fla.ops.utils.constant import RCP_LN2
+        from fla.ops.utils.cumsum import chunk_local_cumsum
+        from fla.ops.utils.index import prepare_chunk_indices
 
         from cula.kernels.sm90.kda_fwd import kda_fwd
 
@@ -109,7 +113,8 @@ class _CulaForwardFlaBackward(torch.autograd.Function):
         with torch.cuda.device(q.device):  # FLA's kernels launch on the current device
             o, ht, aqk, akk = kda_fwd(
                 q, k, v, g, beta, scale=opts.scale, initial_state=initial_state,
-                output_final_state=opts.output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                output_final_state=opts.output_final_state, use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=opts.use_gate_in_kernel,
                 A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel,
                 allow_neg_eigval=opts.allow_neg_eigval, safe_gate=opts.safe_gate, lower_bound=opts.lower_bound,
                 state_v_first=opts.state_v_first, cu_seqlens=cu_seqlens, fla_factors=True,
@@ -118,8 +123,15 @@ class _CulaForwardFlaBackward(torch.autograd.Function):
             q_n, q_rstd = l2norm_fwd(q)
             k_n, k_rstd = l2norm_fwd(k)
             beta_s = fused_beta_sigmoid(beta, scale=opts.beta_scale) if opts.use_beta_sigmoid_in_kernel else beta
-        ctx.save_for_backward(q_n, q_rstd, k_n, k_rstd, v, g, beta, beta_s, A_log, dt_bias, aqk, akk,
-                              initial_state, cu_seqlens)
+            chunk_indices = None
+            if cu_seqlens is not None:
+                chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK, cu_seqlens_cpu=opts.cu_seqlens_cpu)
+            g_cumsum = None  # the in-kernel gate: FLA's backward recomputes it from the raw g
+            if not opts.use_gate_in_kernel:  # a log-space g: FLA saves its chunk-local cumsum in log2 units
+                g_cumsum = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens,
+                                              chunk_indices=chunk_indices)
+        ctx.save_for_backward(q_n, q_rstd, k_n, k_rstd, v, g, g_cumsum, beta, beta_s, A_log, dt_bias, aqk, akk,
+                              initial_state, cu_seqlens, chunk_indices)
         ctx.opts = opts
         if ht is None:  # autograd wants a tensor in each output slot; the public op returns None for it
             ht = o.new_empty(0)
@@ -130,22 +142,20 @@ class _CulaForwardFlaBackward(torch.autograd.Function):
         from fla.modules.norm.l2norm import l2norm_bwd
         from fla.ops.common.gate import fused_beta_sigmoid_bwd
         from fla.ops.kda.chunk_bwd import chunk_kda_bwd
-        from fla.ops.utils.index import prepare_chunk_indices
 
-        (q_n, q_rstd, k_n, k_rstd, v, g, beta, beta_s, A_log, dt_bias, aqk, akk, initial_state,
-         cu_seqlens) = ctx.saved_tensors
+        (q_n, q_rstd, k_n, k_rstd, v, g, g_cumsum, beta, beta_s, A_log, dt_bias, aqk, akk, initial_state,
+         cu_seqlens, chunk_indices) = ctx.saved_tensors
         opts = ctx.opts
-        chunk_indices = None
-        if cu_seqlens is not None:
-            chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK, cu_seqlens_cpu=opts.cu_seqlens_cpu)
+        in_kernel = opts.use_gate_in_kernel
         if not opts.output_final_state or (dht is not None and dht.numel() == 0):
             dht = None
         with torch.cuda.device(q_n.device):
             dq, dk, dv, db, dg, dh0, dA, dbias = chunk_kda_bwd(
                 q=q_n, k=k_n, v=v, beta=beta_s, Aqk=aqk, Akk=akk, scale=opts.scale, initial_state=initial_state,
-                do=do.contiguous(), dht=dht, g=None, g_org=g, state_v_first=opts.state_v_first,
-                cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK, safe_gate=opts.safe_gate,
-                lower_bound=opts.lower_bound, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                do=do.contiguous(), dht=dht, g=g_cumsum, g_org=g if in_kernel else None,
+                state_v_first=opts.state_v_first, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                chunk_size=CHUNK, safe_gate=opts.safe_gate, lower_bound=opts.lower_bound,
+                use_gate_in_kernel=in_kernel, A_log=A_log, dt_bias=dt_bias,
                 disable_recompute=False,
             )
             dq = l2norm_bwd(q_n, q_rstd, dq)

@@ -508,7 +508,7 @@ def kda_fwd(
     scale = K ** -0.5 if scale is None else float(scale)
     if fla_factors:
         reason = fla_factors_reason(TT, HV, cu_seqlens, B, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                                    lower_bound, identity_response, return_scratch, stages)
+                                    lower_bound, identity_response, return_scratch, stages, safe_gate)
         if reason is not None:
             raise ValueError(f"fla_factors: {reason}")
     if _too_big(TT, HV, cu_seqlens, B):  # before the dense copies below: each piece makes its own
@@ -660,11 +660,11 @@ def token_rows(chunks: torch.Tensor, total_tokens: int) -> torch.Tensor:
 
 def fla_factors_reason(total_tokens: int, num_heads_v: int, cu_seqlens, batch: int, use_qk_l2norm_in_kernel: bool,
                        use_gate_in_kernel: bool, lower_bound, identity_response: bool = False,
-                       return_scratch: bool = False, stages=("intra", "recur")) -> str | None:
+                       return_scratch: bool = False, stages=("intra", "recur"), safe_gate: bool = False) -> str | None:
     """Why ``kda_fwd(fla_factors=True)`` cannot serve these inputs, or None."""
-    if intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound) != "tc":
-        return ("FLA's Akk comes from the tensor-core stage 1 only (use_qk_l2norm_in_kernel, use_gate_in_kernel "
-                f"and lower_bound None or in [{_min_lower_bound()}, 0])")
+    if intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, safe_gate) != "tc":
+        return ("FLA's Akk comes from the tensor-core stage 1 only (use_qk_l2norm_in_kernel with use_gate_in_kernel "
+                f"or a safe_gate log-space g, and lower_bound None or in [{_min_lower_bound()}, 0])")
     too_big = _too_big(total_tokens, num_heads_v, cu_seqlens, batch)
     if too_big:
         return f"the input runs in pieces ({too_big})"
