@@ -98,7 +98,7 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_softplus_gate", True),
                                                ("intra_tc_softplus_fp32_gate_gva", True),
                                                ("intra_tc_diag_all", True), ("intra_tc_emit_akk", True),
-                                               ("intra_tc_log_gate", True)])
+                                               ("intra_tc_log_gate", True), ("intra_tc_diag_no_v_u", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -150,13 +150,18 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         # wgmma inverse step (the default) adds 2 products x 3 hi/lo passes x 2 k-blocks (m64n64k16, A
         # from registers)
         inv = 0 if target.endswith("simt_inverse") else 12
+        no_v_u = target.endswith("no_v_u")  # timing diagnostic: no v loads, no u product / store
         # every CTA lets stage 2 launch as soon as it is resident (one instruction, before anything else;
         # pdl_end: after its work, one instruction too)
         assert rep.count("griddepcontrol.launch_dependents") == 1
-        assert rep.count("wgmma.mma_async") == 72 + inv
-        assert rep.count("cp.async.bulk.tensor") == 5  # TMA stores: aqk, w and u (two 64-column boxes)
+        assert rep.count("wgmma.mma_async") == 72 + inv - (4 if no_v_u else 0)
+        # TMA stores: aqk, w and u (two 64-column boxes)
+        assert rep.count("cp.async.bulk.tensor") == (3 if no_v_u else 5)
         # 16-byte accesses: 8 rows x q, k, v, g per thread
-        assert rep.count("ld.global.v4") >= 32 and rep.count("st.shared.v4") >= 24
+        assert rep.count("ld.global.v4") >= (24 if no_v_u else 32) and rep.count("st.shared.v4") >= 24
+        if no_v_u:  # the 8 v loads per thread are gone
+            base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc")
+            assert rep.count("ld.global.v4") == base.count("ld.global.v4") - 8
         # the off-diagonal factor on the B side: 12 vectors of 8 per thread (4 packed bf16 products each)
         # form B'_1..3, and each row block's off-diagonal part is one SS product per A tile of N = 16, 32,
         # 48 (8 k-steps)
@@ -167,7 +172,7 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         from cula.kernels.sm90.kda_fwd_intra_tc import PREFETCH_AHEAD
 
         fp32_g = "fp32_gate" in target or target.endswith("log_gate")  # log_gate: fp32 log-space gates
-        lines = 2 + 2 + 2 + (4 if fp32_g else 2)
+        lines = 2 + 2 + (0 if no_v_u else 2) + (4 if fp32_g else 2)
         n_pf = rep.count("prefetch.global.L2")
         if target.endswith("prefetch") or PREFETCH_AHEAD:
             assert n_pf in (lines, lines // 2), n_pf

@@ -103,8 +103,11 @@ PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
 #: rows (L2 hits instead of DRAM); ``no_qg_kgt`` / ``no_wu_store`` / ``no_aqk_store``: those stores sit
 #: under a condition that is false at run time but opaque to the compiler (``scale < 0``; ``nvalid < 0``
 #: was folded away, the values with it), so the values are still formed; ``no_inverse``: phase 4 is
-#: skipped the same way. A split per option against none says what each costs.
-DIAG_OPTIONS = ("l2_loads", "no_qg_kgt", "no_wu_store", "no_aqk_store", "no_inverse")
+#: skipped the same way; ``no_v_u``: stage 1 as it would be with u = T' v formed in stage 2 instead (no v
+#: loads, prefetches or tile, no u product or store: removed at compile time, as that variant would; the
+#: 8 KB T' store it would add is not there; kda_fwd.md, session 16's reading). A split per option against
+#: none says what each costs.
+DIAG_OPTIONS = ("l2_loads", "no_qg_kgt", "no_wu_store", "no_aqk_store", "no_inverse", "no_v_u")
 DIAG = tuple(x for x in __import__("os").environ.get("CULA_KDA_TC_DIAG", "").split(",") if x)
 SPLIT_PASSES = ((0, 0), (0, 1), (1, 0))  # (A part, B part) of each pass, 0 = hi, 1 = lo: lo·lo is dropped
 
@@ -328,7 +331,8 @@ class KdaFwdIntraTC:
                         for ln in cutlass.range_constexpr(DK * p.dtype.width // 8 // LINE_BYTES):
                             prefetch_line_l2(p + (tok * H + hq_n) * DK + ln * (LINE_BYTES * 8 // p.dtype.width))
                 else:
-                    for p, d in ((pV, DV), (pG, DK)):
+                    vg = ((pG, DK),) if cutlass.const_expr("no_v_u" in self.diag) else ((pV, DV), (pG, DK))
+                    for p, d in vg:
                         for ln in cutlass.range_constexpr(d * p.dtype.width // 8 // LINE_BYTES):
                             prefetch_line_l2(p + (tok * HV + hv_n) * d + ln * (LINE_BYTES * 8 // p.dtype.width))
 
@@ -518,7 +522,8 @@ class KdaFwdIntraTC:
                 tok = cutlass.min(r0 + rr, nvalid - 1)
             raw_q[rr, None].store(_vec(pQ, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
             raw_k[rr, None].store(_vec(pK, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
-            raw_v[rr, None].store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load())
+            if cutlass.const_expr("no_v_u" not in self.diag):
+                raw_v[rr, None].store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load())
             raw_g[rr, None].store(_vec(pG, (tok * HV + hv) * DK + d0, COLS_PER_THREAD).load())
         if cutlass.const_expr(self.prefetch_ahead > 0):
             self.prefetch_later_chunk(pQ, pK, pV, pG, pChunks, tidx, chunk, hv, H, HV, NC)
@@ -547,7 +552,8 @@ class KdaFwdIntraTC:
             # raw q, k, v to their tiles (q and k are rewritten in place in phase 2)
             _st8(a_layout, qa_raw, (r, d0, 0), raw_q[rr, None])
             _st8(a_layout, ka_raw, (r, d0, 0), raw_k[rr, None])
-            _st8(x_layout, v_raw, (d0, r, 0), raw_v[rr, None])  # MN-major: (d, token)
+            if cutlass.const_expr("no_v_u" not in self.diag):
+                _st8(x_layout, v_raw, (d0, r, 0), raw_v[rr, None])  # MN-major: (d, token)
             sq = F32(0.0)
             sk = F32(0.0)
             lb_keep = lb_log2 * keep
@@ -781,6 +787,9 @@ class KdaFwdIntraTC:
         st_wu = cute.make_tiled_copy_C(st_atom, mma_wu)
         b_tiles = (sX, sV)
         stage_tiles = (sWst, sUst)
+        if cutlass.const_expr("no_v_u" in self.diag):  # timing only: w alone (u would be stage 2's)
+            b_tiles = (sX,)
+            stage_tiles = (sWst,)
         tAtb = thr_wu.make_fragment_A(thr_wu.partition_A(sTb))
         tB_wu = [thr_wu.make_fragment_B(thr_wu.partition_B(t)) for t in b_tiles]
         acc_wu = [thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK))) for _ in b_tiles]
@@ -811,6 +820,8 @@ class KdaFwdIntraTC:
                     if scale < F32(0.0):  # never (timing only)
                         cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
                         cute.copy(tma_u, tUs[None, 0], tUg[None, chunk])
+                elif cutlass.const_expr("no_v_u" in self.diag):
+                    cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
                 else:
                     cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
                     cute.copy(tma_u, tUs[None, 0], tUg[None, chunk])
@@ -1149,7 +1160,9 @@ def compile_targets():
         "pdl_end": build(cutlass.BFloat16, **full, pdl_trigger="end"),
         "softplus_gate": build(cutlass.BFloat16, **full, softplus_gate=True),
         "softplus_fp32_gate_gva": build(cutlass.Float32, **{**full, "group": 2}, softplus_gate=True),
-        "diag_all": build(cutlass.BFloat16, **full, diag=DIAG_OPTIONS),
+        # every same-values diagnostic at once; no_v_u (a different stage 1: no v, no u) on its own
+        "diag_all": build(cutlass.BFloat16, **full, diag=tuple(d for d in DIAG_OPTIONS if d != "no_v_u")),
+        "diag_no_v_u": build(cutlass.BFloat16, **full, diag=("no_v_u",)),
         "emit_akk": build(cutlass.BFloat16, **full, emit_akk=True),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
         "log_gate": build(cutlass.Float32, **{**full, "has_a_log": False, "has_dt_bias": False}, log_gate=True),
