@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 
+from _kda_host import record_kda_launches
 from cula.kernels.sm90 import kda_fwd
 
 gpu = pytest.mark.gpu
@@ -73,19 +74,7 @@ def test_host_path_with_fla_factors(monkeypatch, cu):
     long enough for bf16(T) after qg, and Aqk / Akk come back as [B, T, HV, 64] gathered from the rows
     the kernels write."""
     pytest.importorskip("cutlass")
-    import cula.kernels.common.fast_launch as fl
-
-    calls = []
-
-    def fake_launcher(kind, key, make_kernel, specs):
-        def launch(*values):
-            calls.append((kind, key, values))
-        return launch
-
-    monkeypatch.setattr(kda_fwd, "_launcher", fake_launcher)
-    monkeypatch.setattr(fl, "current_stream_handle", lambda index: 1234)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(kda_fwd, "sm_count", lambda device: 132)
+    calls = record_kda_launches(monkeypatch)  # (kind, key, specs, values) per launch
     B, T, H, HV = (1, 200, 1, 2) if cu is not None else (2, 70, 1, 2)
     gen = torch.Generator().manual_seed(0)
     q, k, v, g = (torch.randn(B, T, n, 128, generator=gen).bfloat16() for n in (H, H, HV, HV))
@@ -269,6 +258,17 @@ GPU_CASES = [
 OPT_IN = "kda_fwd_train,kda_fwd_loggate"
 
 
+def _gpu_setup(monkeypatch, B, T, H, HV, cu, lb, sigmoid, h0, v_first, gate):
+    """Skip without CUDA or FLA, opt in to the paths under test, and build the case: ``(x, kw, leaves)``,
+    the leaves fresh copies of x requiring grad."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("fla")
+    monkeypatch.setenv("CULA_KERNELS", OPT_IN)  # the path is opt-in until these tests pass
+    x, kw = _gpu_case(B, T, H, HV, cu, 0, lb, sigmoid, h0, v_first, gate)
+    return x, kw, {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+
+
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -287,18 +287,13 @@ def test_gpu_gradients_match_fla(B, T, H, HV, cu, lb, sigmoid, h0, v_first, gate
     the fp64 reference's autograd. Tolerance: our error against fp64 within 1.5x FLA's own (+1e-3): the
     backward is FLA's code, fed our bf16 Aqk / Akk instead of FLA's (two bf16 roundings of the same
     quantities), so the errors are of one size; o and the final state must be the inference path's."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    pytest.importorskip("fla")
-    monkeypatch.setenv("CULA_KERNELS", OPT_IN)  # the path is opt-in until these tests pass
+    x, kw, leaves = _gpu_setup(monkeypatch, B, T, H, HV, cu, lb, sigmoid, h0, v_first, gate)
     import cula
     from cula._dispatch import CULA_SM90_FLA_BWD
     from cula.kda import chunk_kda
     from cula.ref import kda as ref
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-    x, kw = _gpu_case(B, T, H, HV, cu, 0, lb, sigmoid, h0, v_first, gate)
-    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
     assert cula.backends("chunk_kda", **leaves, **kw).backend == CULA_SM90_FLA_BWD
     gen = torch.Generator().manual_seed(1)
     o_shape = (B, T, HV, 128)
@@ -327,15 +322,10 @@ def test_gpu_saved_factors_match_flas(B, T, H, HV, cu, lb, sigmoid, h0, v_first,
     """The Aqk / Akk our forward saves against the ones FLA's forward saves (its autograd node's saved
     tensors 11 and 12): the same quantities in bf16, so within a few bf16 ulps of each other (norm-relative
     2e-2; Aqk compared on and below the diagonal, FLA leaves the rest of its buffer unwritten)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    pytest.importorskip("fla")
-    monkeypatch.setenv("CULA_KERNELS", OPT_IN)  # the path is opt-in until these tests pass
+    x, kw, leaves = _gpu_setup(monkeypatch, B, T, H, HV, cu, lb, sigmoid, h0, v_first, gate)
     from cula.kda import chunk_kda
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-    x, kw = _gpu_case(B, T, H, HV, cu, 0, lb, sigmoid, h0, v_first, gate)
-    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
     o_c, _ = chunk_kda(**leaves, **kw)
     o_f, _ = fla_chunk_kda(**leaves, **kw)
     ours = o_c.grad_fn.saved_tensors

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _kda_host import record_kda_launches
 from cula.kernels.sm90 import kda_fwd
 from cula.ref import kda as ref
 
@@ -527,19 +528,7 @@ def test_host_path_passes_one_value_per_spec(monkeypatch, cu, tc):
     """kda_fwd's host path (no GPU: launches recorded) hands each compiled kernel one plain value per
     argument spec, of the spec's kind, with the sizes the scratch was allocated for."""
     pytest.importorskip("cutlass")
-    import cula.kernels.common.fast_launch as fl
-
-    calls = []
-
-    def fake_launcher(kind, key, make_kernel, specs):
-        def launch(*values):
-            calls.append((kind, specs, values))
-        return launch
-
-    monkeypatch.setattr(kda_fwd, "_launcher", fake_launcher)
-    monkeypatch.setattr(fl, "current_stream_handle", lambda index: 1234)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(kda_fwd, "sm_count", lambda device: 132)
+    calls = record_kda_launches(monkeypatch)  # (kind, key, specs, values) per launch
     flags = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=tc, use_beta_sigmoid_in_kernel=True,
                  lower_bound=-5.0, safe_gate=True)
     B, T = (1, 200) if cu is not None else (2, 70)
@@ -547,12 +536,12 @@ def test_host_path_passes_one_value_per_spec(monkeypatch, cu, tc):
     args = tuple(x.bfloat16() for x in args)
     kda_fwd.kda_fwd(*args, **kw)
     assert [c[0] for c in calls] == ["intra_tc" if tc else "intra", "recur"]
-    nc = calls[0][2][17]
-    assert calls[1][2][13] == nc  # both kernels see the chunk count the scratch was sized for
-    assert calls[1][2][15] == 132  # the persistent recurrence's CTA cap: one per SM
+    nc = calls[0][3][17]
+    assert calls[1][3][13] == nc  # both kernels see the chunk count the scratch was sized for
+    assert calls[1][3][15] == 132  # the persistent recurrence's CTA cap: one per SM
     if cu is not None:
         assert nc == 200 // 64 + 5  # the sync-free bound
-    for kind, specs, values in calls:
+    for kind, _, specs, values in calls:
         assert len(values) == len(specs)
         for spec, value in zip(specs, values):
             assert isinstance(value, float if spec.kind == "f32" else int), (kind, spec)
