@@ -58,6 +58,24 @@ def test_emulated_stages_match_reference(B, T, H, HV, cu, flags):
     assert scratch["w"].shape == (HV, nc * 64, 128) and scratch["kgt"].shape == (HV, 128, nc * 64)
 
 
+@pytest.mark.parametrize("B,T,H,HV,cu,flags", EMULATION_CASES[:3])
+def test_emulated_u_in_recur_matches_reference(B, T, H, HV, cu, flags):
+    """U_IN_RECUR's scratch (T' beside Aqk, -w, no u) and its stage 2 (v_new = T' v + (-w) S from the
+    chunk-padded input rows) are the same algorithm: exact in fp64, and T' v is the default's u."""
+    args, kw = _case(B, T, H, HV, cu, seed=T, **flags)
+    o, ht, scratch = kda_fwd.emulate_stages(*args, **kw, dtype=torch.float64, u_in_recur=True)
+    _, _, base = kda_fwd.emulate_stages(*args, **kw, dtype=torch.float64)
+    o_r, ht_r = ref.recurrent(*args, **kw, dtype=torch.float64)
+    assert (o - o_r).norm() / o_r.norm() < 1e-10 and (ht - ht_r).norm() / ht_r.norm() < 1e-10
+    assert "u" not in scratch and scratch["tp"].shape == scratch["aqk"].shape
+    assert torch.equal(scratch["w"], -base["w"])
+    hv, r, _ = scratch["tp"].shape
+    tp = scratch["tp"].reshape(hv, r // 64, 64, 64)
+    assert torch.allclose(tp @ scratch["v"].reshape(hv, r // 64, 64, -1), base["u"].reshape(hv, r // 64, 64, -1),
+                          atol=1e-12)
+    assert torch.equal(tp, tp.tril())  # unit-lower T times diag(β): nothing above the diagonal
+
+
 def test_emulation_detects_a_wrong_scratch():
     """A perturbed stage-1 output changes o: the per-stage GPU comparison can fail."""
     args, kw = _case(1, 70, 1, 1, None, seed=3, use_gate_in_kernel=True)
@@ -92,6 +110,8 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("recur_v2_state_smem", True), ("recur_v2_state_smem_v_first", True),
                                                ("recur_v2_state_smem_h0_only", True),
                                                ("recur_v2_state_smem_ht_only", True),
+                                               ("recur_v2_t_in", True), ("recur_v2_t_in_no_state", True),
+                                               ("recur_v2_t_in_state_smem", True),
                                                ("intra_tc", True),
                                                ("intra_tc_fp32_gate", True), ("intra_tc_plain_gva", True),
                                                ("intra_tc_simt_inverse", True),
@@ -99,7 +119,8 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_softplus_gate", True),
                                                ("intra_tc_softplus_fp32_gate_gva", True),
                                                ("intra_tc_diag_all", True), ("intra_tc_emit_akk", True),
-                                               ("intra_tc_log_gate", True), ("intra_tc_diag_no_v_u", True)])
+                                               ("intra_tc_log_gate", True), ("intra_tc_diag_no_v_u", True),
+                                               ("intra_tc_t_out", True), ("intra_tc_t_out_softplus_gva", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -119,9 +140,14 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         assert rep.count("wgmma.mma_async") >= 20  # 8 + 8 + 4 (n64) and 4 (n128) per chunk
         assert rep.has("cp.async.bulk.tensor")
     if target.startswith("recur_v2"):
+        t_in = "t_in" in target  # u in stage 2: + vᵀ T'ᵀ (4 SS m64n64k16, A MN-major: trans-a 1)
         # one chunk's code: 8 + 8 + 4 m64n64k16 and 4 m64n128k16, A from registers (no A descriptors)
-        assert rep.count("wgmma.mma_async") == 24 and rep.count("m64n128k16") == 4
-        assert rep.count("cp.async.bulk.tensor") == 8  # w, qg (two 128-byte boxes each), u, γ, kgᵀ, Aqk
+        assert rep.count("wgmma.mma_async") == (28 if t_in else 24) and rep.count("m64n128k16") == 4
+        assert rep.count("p, 1,  1, 1, 0;") == (4 if t_in else 0)  # the SS products' transpose bits
+        # w, qg (two 128-byte boxes each), u, γ, kgᵀ, Aqk; t_in: v for u, and Aqk | T' in two boxes
+        assert rep.count("cp.async.bulk.tensor") == (9 if t_in else 8)
+        # t_in: a partial chunk's v rows are zeroed by the math warps, then named barrier 2
+        assert (rep.count("bar.sync 2, 128;") == 1) == t_in
         from cula.kernels.sm90.kda_fwd_recur import V2_H0_PREFETCH
 
         smem_state = "state_smem" in target
@@ -151,16 +177,17 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         # wgmma inverse step (the default) adds 2 products x 3 hi/lo passes x 2 k-blocks (m64n64k16, A
         # from registers)
         inv = 0 if target.endswith("simt_inverse") else 12
-        no_v_u = target.endswith("no_v_u")  # timing diagnostic: no v loads, no u product / store
+        # the timing diagnostic and u in stage 2 (t_out): no v loads, no u product / store
+        no_v_u = target.endswith("no_v_u") or "t_out" in target
         # every CTA lets stage 2 launch as soon as it is resident (one instruction, before anything else;
         # pdl_end: after its work, one instruction too)
         assert rep.count("griddepcontrol.launch_dependents") == 1
         assert rep.count("wgmma.mma_async") == 72 + inv - (4 if no_v_u else 0)
-        # TMA stores: aqk, w and u (two 64-column boxes)
-        assert rep.count("cp.async.bulk.tensor") == (3 if no_v_u else 5)
+        # TMA stores: aqk, w and u (two 64-column boxes); t_out: T' beside Aqk instead of u
+        assert rep.count("cp.async.bulk.tensor") == (4 if "t_out" in target else 3 if no_v_u else 5)
         # 16-byte accesses: 8 rows x q, k, v, g per thread
         assert rep.count("ld.global.v4") >= (24 if no_v_u else 32) and rep.count("st.shared.v4") >= 24
-        if no_v_u:  # the 8 v loads per thread are gone
+        if no_v_u and "gva" not in target:  # the 8 v loads per thread are gone
             base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc")
             assert rep.count("ld.global.v4") == base.count("ld.global.v4") - 8
         # the off-diagonal factor on the B side: 12 vectors of 8 per thread (4 packed bf16 products each)
@@ -184,6 +211,9 @@ def test_ptx_compiles_clean(target, needs_wgmma):
             # columns each), the rest as the default
             base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc")
             assert rep.count("st.global.v4") == base.count("st.global.v4") + 4
+        if target == "intra_tc_t_out":  # -w: 64 negations (0 - x) more than the diagnostic without T'
+            base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_diag_no_v_u")
+            assert rep.count("sub.f32") == base.count("sub.f32") + 64
 
 
 def test_tc_layout_facts():
@@ -198,7 +228,7 @@ def test_tc_layout_facts():
     assert facts["a_register_mismatches"] == 0
     # the m64n(16 I) fragments are prefixes of the m64n64 one; B'_I rows as 16-byte vectors
     assert facts["offdiag_prefix_mismatches"] == 0 and facts["offdiag_b_vector_mismatches"] == 0
-    assert facts["x_is_a_transposed"] and facts["w_staging_is_a"]
+    assert facts["x_is_a_transposed"] and facts["w_staging_is_a"] and facts["tb_is_aqk_staging"]
     assert {v for k, v in facts.items() if k.startswith("swizzle_")} == {"S<3,4,3>"}
 
 
@@ -217,6 +247,23 @@ def test_recur_v2_layout_facts():
     # the state buffer's fragment accesses: none K-first, 2-way V-first (64 extra wavefronts over the 64 values)
     assert facts["state_kf_padded_conflicts"] == 0
     assert facts["state_vf_padded_conflicts"] <= 64
+    # u in stage 2 (t_in): the compact o tile is conflict-free and covered once, zero_v_rows' whole 128-byte
+    # token rows, and [Aqk | T'] as two t64 tiles (the k blocks 4-7 of the B fragment are T')
+    assert facts["o_compact_write_conflicts"] == facts["o_compact_read_conflicts"] == 0
+    assert facts["o_compact_exact_cover"] and facts["va_token_rows"] and facts["aqk_t_halves_are_t64"]
+    assert facts["swizzle_va"] == "S<3,4,3>"
+
+
+def test_bank_conflict_counter():
+    """The counter behind the facts: 2-byte writes to distinct words of distinct banks are free, two words
+    of one bank cost a pass, and 16-byte accesses go a quarter warp at a time."""
+    from cula.kernels.sm90.kda_fwd_recur import _bank_conflicts
+
+    assert _bank_conflicts([2 * i for i in range(32)], 2) == 0  # 16 words, pairs of lanes share one
+    assert _bank_conflicts([14, 16], 2) == 0  # byte 14-15 is word 3, not 4
+    assert _bank_conflicts([0, 128], 2) == 1  # words 0 and 32: bank 0 twice
+    assert _bank_conflicts([16 * i for i in range(32)], 16) == 0
+    assert _bank_conflicts([0, 128] + [16 * i for i in range(2, 8)], 16) == 1
 
 
 def test_recur_state_smem_choice(monkeypatch):
@@ -402,6 +449,62 @@ def test_gpu_simt_inverse_step_matches_reference(name, monkeypatch):
     assert ok, errs
 
 
+U_IN_RECUR_CASES = ["tc-T1", "tc-T65-gva-vfirst", "tc-T1000-negeig", "tc-varlen-zero", "tc-varlen-33",
+                    "tc-softplus-varlen-zero", "tc-loggate-safe-varlen"]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", U_IN_RECUR_CASES)
+@pytest.mark.parametrize("state", ["h0-ht", "none"])
+def test_gpu_u_in_recur_matches_reference(name, state, monkeypatch):
+    """``U_IN_RECUR`` (u = T' v formed in stage 2): stage 1's scratch (-w, T', qg, Aqk, kgᵀ, γ) against the
+    exact emulation and o / final state against the fp64 recurrence, the per-case checks of the default
+    (tolerance TOL_O, bf16 operands); and o within 1e-2 of the default stages' o, which differ only where u
+    is rounded to bf16 before v_new (here v_new is T' v + S(-w) in one fp32 accumulator). ``state``: with an
+    initial and final state (short varlen sequences take the state buffer), or neither."""
+    from cula.kernels.sm90 import kda_fwd_check as chk
+
+    case = next(c for c in chk.CASES if c[0] == name)
+    dev = torch.device("cuda")
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    if state == "h0-ht":
+        ok, errs = chk.check_case(case, dev, None)
+        assert ok and "tp" in errs and "u" not in errs, errs
+        return
+    args, kw = chk._inputs(*case, dev=dev)
+    kw = dict(kw, initial_state=None, output_final_state=False)
+    o, ht, scratch = kda_fwd.kda_fwd(*args, **kw, return_scratch=True)
+    assert "tp" in scratch and ht is None
+    o_r, _ = ref.recurrent(*args, **kw, dtype=torch.float64)
+    assert chk._rel(o, o_r) < chk.TOL_O
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", False)
+    o_d, _ = kda_fwd.kda_fwd(*args, **kw)
+    assert chk._rel(o, o_d) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_u_in_recur_partial_chunk_ignores_the_next_sequence(monkeypatch):
+    """Stage 2 loads a partial last chunk's v rows by TMA: past the sequence's end they are the next
+    sequence's tokens. T' has zero columns there, but an Inf would still make NaN: the kernel zeroes them,
+    so a sequence's o and final state do not depend on what follows it (bitwise, the same call with the
+    next sequence's v replaced by Inf)."""
+    from cula.kernels.sm90 import kda_fwd_check as chk
+
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    dev = torch.device("cuda")
+    cu = [0, 100, 230]
+    args, kw = chk._inputs("partial", 1, 230, 2, 2, cu, dict(chk._TC, lower_bound=-5.0), dev=dev)
+    o, ht = kda_fwd.kda_fwd(*args, **kw)
+    q, k, v, g, beta = args
+    v_bad = v.clone()
+    v_bad[:, 100:] = float("inf")
+    o2, ht2 = kda_fwd.kda_fwd(q, k, v_bad, g, beta, **kw)
+    assert torch.isfinite(o[:, :100]).all() and torch.equal(o[:, :100], o2[:, :100])
+    assert torch.equal(ht[0], ht2[0])
+
+
 RECUR_CASES = ["T1", "T15-l2-gate", "T65-gva-vfirst", "T1000-all", "varlen-zero", "varlen-33"]
 
 
@@ -545,6 +648,46 @@ def test_host_path_passes_one_value_per_spec(monkeypatch, cu, tc):
         assert len(values) == len(specs)
         for spec, value in zip(specs, values):
             assert isinstance(value, float if spec.kind == "f32" else int), (kind, spec)
+
+
+@pytest.mark.parametrize("cu", [None, [0, 0, 1, 64, 65, 200]])
+def test_host_path_u_in_recur(monkeypatch, cu):
+    """With U_IN_RECUR the tensor-core stage 1 is compiled with t_out and the recurrence with t_in: stage 1's
+    Aqk pointer is a [HV, R, 128] buffer (Aqk | T') that it also gets for pU (unused there), and stage 2 reads
+    the same buffer and the input v itself in pU's place; calls it cannot serve keep the default stages."""
+    pytest.importorskip("cutlass")
+    calls = record_kda_launches(monkeypatch)
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    allocs = []
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        allocs.append(t)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+    flags = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                 lower_bound=-5.0, safe_gate=True)
+    B, T = (1, 200) if cu is not None else (2, 70)
+    args, kw = _case(B, T, 2, 2, cu, seed=1, **flags)
+    args = tuple(x.bfloat16() for x in args)
+    kda_fwd.kda_fwd(*args, **kw)
+    (k1, key1, _, v1), (k2, key2, _, v2) = calls
+    assert (k1, k2) == ("intra_tc", "recur")
+    assert dict(key1[0])["t_out"] is True and dict(key2[0])["t_in"] is True
+    nc = v1[17]
+    by_ptr = {t.data_ptr(): t for t in allocs}
+    aqk_tp = by_ptr[v1[11]]
+    assert aqk_tp.shape == (2, nc * 64, 128) and v1[9] == v1[11]  # pU = pAqk in stage 1
+    assert v2[2] == v1[11]  # stage 2's pAqk: Aqk | T'
+    assert v2[4] == args[2].data_ptr()  # stage 2's pU: the input v (contiguous already)
+    assert all(t.shape[-1] != 128 or t.shape[:2] != (2, nc * 64) or t.data_ptr() in (v1[8], v1[10], v1[11])
+               for t in allocs if t.dim() == 3)  # no u buffer: only w, qg (| Akk) and Aqk | T' are that shape
+    # the SIMT stage 1 (no l2norm) keeps the default stages: it writes u
+    calls.clear()
+    kda_fwd.kda_fwd(*args, **{**kw, "use_qk_l2norm_in_kernel": False})
+    assert [c[0] for c in calls] == ["intra", "recur"] and "t_in" not in dict(calls[1][1][0])
 
 
 def test_tables_built_during_graph_capture_are_not_cached(monkeypatch):

@@ -197,6 +197,18 @@ for s in $steps; do
             step diag_split_$d 100 env CULA_KDA_TC_DIAG=$dv python3 -u -m cula.kernels.sm90.kda_fwd --check \
                 --split worst
         done ;;
+    u_in_recur)  # session 17: u formed in stage 2 from T' and v (CULA_KDA_U_IN_RECUR, CPU-compiled only): the
+        # tensor-core check cases (varlen partial chunks, zero-length segments, GVA, V-first, both gate forms,
+        # initial and final state), then the GPU tests without a state and the partial chunk before an Inf
+        # (~40 s of compile per new flag set; <= 540 s in all). Then "u_split".
+        step u_check 240 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --u-in-recur \
+            --cases tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-varlen-33,tc-softplus-varlen-zero
+        step u_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "u_in_recur and (none or partial)" ;;
+    u_split)  # session 17: u in stage 2 off / on / off / on on the worst rows and B2 T16384 (<= 300 s)
+        for a in 0 1 0 1; do
+            step u_split$a 70 env CULA_KDA_U_IN_RECUR=$a python3 -m cula.kernels.sm90.kda_fwd --check --split worst
+        done ;;
     cp_gpu)  # session 13's CPU-only CP pieces (one GPU is enough): KDA in pieces bitwise, the CP emulation tests
         step kda_pieces 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_fwd_pieces.py
         step cp_gpu 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_cp_gpu.py ;;

@@ -55,6 +55,12 @@ SIMT_OPT_IN = "kda_fwd_simt"
 #: takes them either way).
 LOG_GATE_VALIDATED = False
 LOG_GATE_OPT_IN = "kda_fwd_loggate"
+#: "u in stage 2" (session 17, CPU-checked, not yet run on a GPU): with the tensor-core stage 1, stage 1 stops
+#: reading v and writing u and stores T' = bf16(T diag β) beside Aqk (and -w for w); stage 2 loads v by TMA
+#: and forms v_newᵀ = vᵀ T'ᵀ + Sᵀ(-w)ᵀ in one accumulator. Counted traffic per token and value head: stage 1
+#: 2,176 -> 1,792 B, stage 2 +128 B (kda_fwd.md, session 16's reading). Off until its GPU check and a split
+#: say it is right and faster: ``CULA_KDA_U_IN_RECUR=1`` (or ``--check --u-in-recur``) turns it on.
+U_IN_RECUR = __import__("os").environ.get("CULA_KDA_U_IN_RECUR", "0") == "1"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -287,10 +293,11 @@ def emulate_stages(q, k, v, g, beta, scale=None, initial_state=None, output_fina
                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                    use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
                    lower_bound=None, state_v_first=False, cu_seqlens=None, *, dtype=torch.float64,
-                   identity_response=False):
+                   identity_response=False, u_in_recur=False):
     """Returns ``(o, final_state, scratch)``; ``scratch`` holds w, u, qg, aqk, kgt, gam as the kernels
-    write them (``[HV, NC*64, ...]``), in ``dtype``. With ``identity_response`` also ``o_I`` and ``M`` as
-    :func:`kda_fwd` computes them (stage 2 again with ``u = 0`` from ``S0 = I``)."""
+    write them (``[HV, NC*64, ...]``), in ``dtype``; with ``u_in_recur`` (``U_IN_RECUR``'s scratch) -w for w,
+    ``tp`` = T diag(β) ``[HV, NC*64, 64]`` for u, and ``v``, the chunk-padded input rows stage 2 reads.
+    With ``identity_response`` also ``o_I`` and ``M`` as :func:`kda_fwd` computes them (stage 2 again with ``u = 0`` from ``S0 = I``)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scale = K ** -0.5 if scale is None else scale
@@ -336,6 +343,10 @@ def emulate_stages(q, k, v, g, beta, scale=None, initial_state=None, output_fina
 
     scratch = dict(w=rows(w), u=rows(u), qg=rows(qg), aqk=rows(aqk), kgt=rows(kg).transpose(1, 2),
                    gam=gam.permute(1, 0, 2))
+    if u_in_recur:
+        assert not identity_response, "the identity response runs the default stages"
+        del scratch["u"]
+        scratch.update(w=-scratch["w"], tp=rows(tinv * bc[..., None, :]), v=rows(vc))
     o, ht = emulate_recurrence(scratch, chunks, seqs, B * T, initial_state, output_final_state,
                                state_v_first, dtype)
     if not identity_response:
@@ -349,10 +360,14 @@ def emulate_stages(q, k, v, g, beta, scale=None, initial_state=None, output_fina
 
 def emulate_recurrence(scratch, chunks, seqs, total_tokens, initial_state, output_final_state,
                        state_v_first, dtype):
-    """Stage 2 in torch: ``(o [TT, HV, V], final_state)`` from the scratch of stage 1."""
-    w, u, qg, aqk, kgt, gam = (scratch[n].to(dtype) for n in ("w", "u", "qg", "aqk", "kgt", "gam"))
+    """Stage 2 in torch: ``(o [TT, HV, V], final_state)`` from the scratch of stage 1 (either form:
+    ``u``, or ``tp``, ``v`` and -w for ``U_IN_RECUR``)."""
+    w, qg, aqk, kgt, gam = (scratch[n].to(dtype) for n in ("w", "qg", "aqk", "kgt", "gam"))
+    t_in = "tp" in scratch
+    u, tp, vr = ((None, scratch["tp"].to(dtype), scratch["v"].to(dtype)) if t_in
+                 else (scratch["u"].to(dtype), None, None))
     HV, _, K = w.shape
-    V = u.shape[-1]
+    V = (vr if t_in else u).shape[-1]
     N = seqs.shape[0]
     o = torch.zeros(total_tokens, HV, V, dtype=dtype, device=w.device)
     hts = []
@@ -365,7 +380,7 @@ def emulate_recurrence(scratch, chunks, seqs, total_tokens, initial_state, outpu
         c0, nc = int(seqs[n, 0]), int(seqs[n, 1])
         for c in range(c0, c0 + nc):
             r = slice(c * CHUNK, (c + 1) * CHUNK)
-            vn = u[:, r] - w[:, r] @ S
+            vn = tp[:, r] @ vr[:, r] + w[:, r] @ S if t_in else u[:, r] - w[:, r] @ S
             oc = qg[:, r] @ S + aqk[:, r] @ vn
             S = gam[:, c, :, None] * S + kgt[:, :, r] @ vn
             tok0, nv = int(chunks[c, 0]), int(chunks[c, 1])
@@ -544,12 +559,17 @@ def kda_fwd(
         chunks, seqs, NC = varlen_tables(cu_seqlens, TT)
     R = NC * CHUNK
     bf16 = torch.bfloat16
+    kind = intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, safe_gate)
+    # u in stage 2 (U_IN_RECUR): the Aqk rows get T' beside them, w is stored negated, u is not formed
+    u_split = (U_IN_RECUR and kind == "tc" and recur.RECUR_VARIANT == "v2" and not identity_response
+               and not fla_factors and not _tc_diag())
     w = torch.empty(HV, R, K, dtype=bf16, device=dev)
-    u = torch.empty(HV, R, V, dtype=bf16, device=dev)
+    u = None if u_split else torch.empty(HV, R, V, dtype=bf16, device=dev)
     # with fla_factors stage 1 writes bf16(T) right after qg in the same buffer (kda_fwd_intra_tc.emit_akk)
     qg_akk = torch.empty(HV * R * (K + (CHUNK if fla_factors else 0)), dtype=bf16, device=dev)
     qg = qg_akk[:HV * R * K].view(HV, R, K)
-    aqk = torch.empty(HV, R, CHUNK, dtype=bf16, device=dev)
+    aqk_tp = torch.empty(HV, R, 2 * CHUNK if u_split else CHUNK, dtype=bf16, device=dev)  # Aqk (| T')
+    aqk = aqk_tp[..., :CHUNK]
     kgt = torch.empty(HV, K, R, dtype=bf16, device=dev)
     gam = torch.empty(HV, NC, K, dtype=torch.float32, device=dev)
     dummy = _dummy(dev)
@@ -560,7 +580,6 @@ def kda_fwd(
                    *(((h0, 16),) if h0 is not None else ()))
 
     dts = (_cute_dtype(q.dtype), _cute_dtype(g.dtype), _cute_dtype(beta.dtype))
-    kind = intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, safe_gate)
     log_tc = kind == "tc" and not use_gate_in_kernel  # a precomputed gate, bounded by the caller
     softplus_tc = kind == "tc" and use_gate_in_kernel and lower_bound is None
     if (softplus_tc or log_tc) and lower_bound is None:  # the tensor-core stage 1 clamps at this floor
@@ -569,7 +588,8 @@ def kda_fwd(
     else:
         lb = float(lower_bound) if lower_bound is not None else 0.0
     intra_values = (qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), gf.data_ptr(), bf.data_ptr(), a_log.data_ptr(),
-                    dtb.data_ptr(), chunks.data_ptr(), w.data_ptr(), u.data_ptr(), qg.data_ptr(), aqk.data_ptr(),
+                    dtb.data_ptr(), chunks.data_ptr(), w.data_ptr(), (aqk_tp if u_split else u).data_ptr(),
+                    qg.data_ptr(), aqk.data_ptr(),
                     kgt.data_ptr(), gam.data_ptr(), TT, H, HV, NC, scale, lb, stream)
     if "intra" in stages and kind == "tc":
         from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
@@ -582,6 +602,8 @@ def kda_fwd(
                         prefetch_ahead=intra_tc.PREFETCH_AHEAD, softplus_gate=softplus_tc)
         if fla_factors:  # only set, so the keys of the other calls stay as before
             tc_flags.update(emit_akk=True)
+        if u_split:  # (pU, unused then, gets the Aqk buffer: valid memory for the descriptor it is given)
+            tc_flags.update(t_out=True)
         if log_tc:
             tc_flags.update(log_gate=True, has_a_log=False, has_dt_bias=False)
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
@@ -607,6 +629,8 @@ def kda_fwd(
     def launch_recur(u_in, h_in, o_out, h_out, v_first: bool, pdl: bool, stream_handle: int) -> None:
         rflags = dict(has_initial_state=h_in is not None, output_final_state=h_out is not None,
                       state_v_first=v_first)
+        if u_split:  # only set, so the keys of the other calls stay as before (u_in is the input v)
+            rflags.update(t_in=True)
         ssm = variant == "v2" and recur.use_state_smem(N, NC, h_in is not None or h_out is not None)
         _launcher("recur", (tuple(sorted(rflags.items())), o_dt, variant, pf, pdl, ssm),
                   lambda: recur.KdaFwdRecur(**rflags, variant=variant, h0_prefetch=pf, pdl=pdl, state_smem=ssm),
@@ -629,7 +653,8 @@ def kda_fwd(
             launch_recur(u_zero, eye, o_id, m_id, False, False, side.cuda_stream)
         identity = (o_id, m_id, side)
     if "recur" in stages:
-        launch_recur(u, h0, o, ht, bool(state_v_first), recur.PDL and NC * HV <= recur.PDL_MAX_STAGE1_CTAS, stream)
+        launch_recur(vf if u_split else u, h0, o, ht, bool(state_v_first),
+                     recur.PDL and NC * HV <= recur.PDL_MAX_STAGE1_CTAS, stream)
     out = o.reshape(B, T, HV, V)
     if identity is not None:
         o_id, m_id, side = identity
@@ -640,8 +665,9 @@ def kda_fwd(
         rows = token_rows(chunks, TT)
         akk = qg_akk[HV * R * K:].view(HV, R, CHUNK)
         return (out, ht, *(x.transpose(0, 1).index_select(0, rows).view(B, T, HV, CHUNK) for x in (aqk, akk)))
-    if return_scratch:
-        return out, ht, dict(w=w, u=u, qg=qg, aqk=aqk, kgt=kgt, gam=gam)
+    if return_scratch:  # with u_split: -w for w, and T' as tp instead of u
+        return out, ht, dict(w=w, qg=qg, aqk=aqk, kgt=kgt, gam=gam,
+                             **(dict(tp=aqk_tp[..., CHUNK:]) if u_split else dict(u=u)))
     return out, ht
 
 
@@ -706,6 +732,13 @@ def _side_stream(dev: torch.device) -> "torch.cuda.Stream":
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _SIDE_STREAMS[index]
+
+
+def _tc_diag() -> tuple:
+    """Stage 1's timing diagnostics (``CULA_KDA_TC_DIAG``): they time the default stages."""
+    from cula.kernels.sm90.kda_fwd_intra_tc import DIAG
+
+    return DIAG
 
 
 def intra_kind(use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_bound: float | None,

@@ -137,6 +137,7 @@ class KdaFwdIntraTC:
         softplus_gate: bool = False,
         emit_akk: bool = False,
         log_gate: bool = False,
+        t_out: bool = False,
         diag: tuple = (),
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
@@ -155,6 +156,14 @@ class KdaFwdIntraTC:
         # right after qg's [HV, NC*64, 128] in the same buffer, so the argument list stays kda_fwd_intra's):
         # what FLA's backward needs besides Aqk to run after this forward (cula.kda._train)
         self.emit_akk = emit_akk
+        # "u in stage 2" (kda_fwd.U_IN_RECUR): stage 1 neither reads v nor forms u = T' v; it stores T' (bf16,
+        # [64, 64] per chunk) beside Aqk (the Aqk buffer is [HV, NC*64, 128]: Aqk in columns 0-63, T' in 64-127,
+        # so stage 2 loads both with one TMA box) and -w instead of w (stage 2 then forms v_new = T' v + S^T(-w)
+        # in one accumulator); pU is not used
+        assert not (t_out and emit_akk), "emit_akk keeps u (the training path runs the default stages)"
+        self.t_out = t_out
+        # no v loads, prefetches or tile and no u product or store: t_out, or the diagnostic that times it
+        self.skip_vu = t_out or "no_v_u" in self.diag
         self.inv_wgmma = inv_wgmma
         # when to signal griddepcontrol.launch_dependents: "start" (on entry: stage 2, launched with
         # programmatic dependent launch, may start once every CTA of this grid is resident, i.e. during
@@ -211,7 +220,8 @@ class KdaFwdIntraTC:
 
         mW = cute.make_tensor(pW, cute.make_layout((R, DK, HV), stride=(DK, 1, R * DK)))
         mU = cute.make_tensor(pU, cute.make_layout((R, DV, HV), stride=(DV, 1, R * DV)))
-        mAqk = cute.make_tensor(pAqk, cute.make_layout((R, CHUNK, HV), stride=(CHUNK, 1, R * CHUNK)))
+        aqk_w = 2 * CHUNK if cutlass.const_expr(self.t_out) else CHUNK  # row pitch: Aqk (| T')
+        mAqk = cute.make_tensor(pAqk, cute.make_layout((R, aqk_w, HV), stride=(aqk_w, 1, R * aqk_w)))
         s2g = cpasync.CopyBulkTensorTileS2GOp()
         w_one = cute.slice_(self.w_layout, (None, None, 0))
         aqk_one = cute.slice_(self.aqk_layout, (None, None, 0))
@@ -331,7 +341,7 @@ class KdaFwdIntraTC:
                         for ln in cutlass.range_constexpr(DK * p.dtype.width // 8 // LINE_BYTES):
                             prefetch_line_l2(p + (tok * H + hq_n) * DK + ln * (LINE_BYTES * 8 // p.dtype.width))
                 else:
-                    vg = ((pG, DK),) if cutlass.const_expr("no_v_u" in self.diag) else ((pV, DV), (pG, DK))
+                    vg = ((pG, DK),) if cutlass.const_expr(self.skip_vu) else ((pV, DV), (pG, DK))
                     for p, d in vg:
                         for ln in cutlass.range_constexpr(d * p.dtype.width // 8 // LINE_BYTES):
                             prefetch_line_l2(p + (tok * HV + hv_n) * d + ln * (LINE_BYTES * 8 // p.dtype.width))
@@ -522,7 +532,7 @@ class KdaFwdIntraTC:
                 tok = cutlass.min(r0 + rr, nvalid - 1)
             raw_q[rr, None].store(_vec(pQ, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
             raw_k[rr, None].store(_vec(pK, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
-            if cutlass.const_expr("no_v_u" not in self.diag):
+            if cutlass.const_expr(not self.skip_vu):
                 raw_v[rr, None].store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load())
             raw_g[rr, None].store(_vec(pG, (tok * HV + hv) * DK + d0, COLS_PER_THREAD).load())
         if cutlass.const_expr(self.prefetch_ahead > 0):
@@ -552,7 +562,7 @@ class KdaFwdIntraTC:
             # raw q, k, v to their tiles (q and k are rewritten in place in phase 2)
             _st8(a_layout, qa_raw, (r, d0, 0), raw_q[rr, None])
             _st8(a_layout, ka_raw, (r, d0, 0), raw_k[rr, None])
-            if cutlass.const_expr("no_v_u" not in self.diag):
+            if cutlass.const_expr(not self.skip_vu):
                 _st8(x_layout, v_raw, (d0, r, 0), raw_v[rr, None])  # MN-major: (d, token)
             sq = F32(0.0)
             sk = F32(0.0)
@@ -781,13 +791,24 @@ class KdaFwdIntraTC:
                 cute.autovec_copy(obf, _vec(pQG + HV * R * DK, (hv * R + row0 + ti) * CHUNK + j0, 8))
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.t_out):
+            # T' leaves for stage 2 (columns 64-127 of the Aqk rows) while phase 5 reads the same tile
+            # (the Aqk staging layout is T''s operand layout: kda_fwd_intra_tc.layout_facts)
+            if warp == 0:
+                gTp = cute.local_tile(tAqk[None, None, hv], (CHUNK, CHUNK), (None, 1))
+                sTp = _tile(tb_raw, aqk_layout)
+                tTs, tTg = cpasync.tma_partition(tma_aqk, 0, one, cute.group_modes(sTp, 0, 2),
+                                                 cute.group_modes(gTp, 0, 2))
+                if lane == 0:
+                    cute.copy(tma_aqk, tTs[None, 0], tTg[None, chunk])
+                    cute.arch.cp_async_bulk_commit_group()
 
         # ====================================================== phase 5: w = T' X, u = T' v (wgmma)
         # each result is staged in the tile its B operand came from
         st_wu = cute.make_tiled_copy_C(st_atom, mma_wu)
         b_tiles = (sX, sV)
         stage_tiles = (sWst, sUst)
-        if cutlass.const_expr("no_v_u" in self.diag):  # timing only: w alone (u would be stage 2's)
+        if cutlass.const_expr(self.skip_vu):  # w alone (u is stage 2's; the diagnostic times that)
             b_tiles = (sX,)
             stage_tiles = (sWst,)
         tAtb = thr_wu.make_fragment_A(thr_wu.partition_A(sTb))
@@ -804,7 +825,10 @@ class KdaFwdIntraTC:
         thr_st = st_wu.get_slice(tidx)
         for x in cutlass.range_constexpr(len(b_tiles)):
             r_out = cute.make_rmem_tensor(acc_wu[x].layout, BF16)
-            r_out.store(acc_wu[x].load().to(BF16))
+            if cutlass.const_expr(self.t_out):  # -w: stage 2 adds S^T(-w)^T to T' v in one accumulator
+                r_out.store((-acc_wu[x].load()).to(BF16))
+            else:
+                r_out.store(acc_wu[x].load().to(BF16))
             cute.copy(st_wu, st_wu.retile(r_out), thr_st.partition_D(stage_tiles[x][None, None, 0]))
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
@@ -820,7 +844,7 @@ class KdaFwdIntraTC:
                     if scale < F32(0.0):  # never (timing only)
                         cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
                         cute.copy(tma_u, tUs[None, 0], tUg[None, chunk])
-                elif cutlass.const_expr("no_v_u" in self.diag):
+                elif cutlass.const_expr(self.skip_vu):
                     cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
                 else:
                     cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
@@ -1164,6 +1188,9 @@ def compile_targets():
         "diag_all": build(cutlass.BFloat16, **full, diag=tuple(d for d in DIAG_OPTIONS if d != "no_v_u")),
         "diag_no_v_u": build(cutlass.BFloat16, **full, diag=("no_v_u",)),
         "emit_akk": build(cutlass.BFloat16, **full, emit_akk=True),
+        # u in stage 2: T' beside Aqk, -w, no v and no u (kda_fwd.U_IN_RECUR)
+        "t_out": build(cutlass.BFloat16, **full, t_out=True),
+        "t_out_softplus_gva": build(cutlass.BFloat16, **{**full, "group": 2}, softplus_gate=True, t_out=True),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
         "log_gate": build(cutlass.Float32, **{**full, "has_a_log": False, "has_dt_bias": False}, log_gate=True),
     }
@@ -1348,6 +1375,9 @@ def layout_facts() -> dict:
             int(cute.crd2idx((d, r, 0), x_l.outer)) == int(cute.crd2idx((r, d, 0), a_l.outer))
             for r in range(CHUNK) for d in range(0, DK, 8))
         facts["w_staging_is_a"] = str(w_l) == str(a_l)
+        # t_out stores T' from its operand tile through the Aqk store's TMA atom
+        facts["tb_is_aqk_staging"] = str(sm90_utils.make_smem_layout_a(kmaj, (CHUNK, DV, CHUNK), BF16, 1)) == str(
+            sm90_utils.make_smem_layout_b(kmaj, (CHUNK, CHUNK, CHUNK), BF16, 1))
         for name, lay in (("a", a_l), ("x", x_l), ("w", w_l),
                           ("tb", sm90_utils.make_smem_layout_a(kmaj, (CHUNK, DV, CHUNK), BF16, 1)),
                           ("aqk", sm90_utils.make_smem_layout_b(kmaj, (CHUNK, CHUNK, CHUNK), BF16, 1))):

@@ -69,6 +69,11 @@ V2_O_ROWS = BV // V2_WARPS  # v rows of the o tile each warp holds in its accumu
 V2_O_PITCH = 24
 V2_O_TILE = CHUNK * V2_O_PITCH  # elements of one warp's staging tile
 V2_O_VECS = CHUNK * V2_O_ROWS // 8 // 32  # 16-byte vectors per lane per chunk (4)
+# "u in stage 2" (t_in) needs 8 KB more per stage (3 x 74,240 B): its o staging drops the padding. A warp's
+# tile is then [64 tok, 16 v] at a 32-byte pitch (2 KB), the two 16-byte halves of token tt swapped when
+# bit 2 of tt is set: the 2-byte writes of tokens 0, 2, 4, 6 (or 1, 3, 5, 7) and the 16-byte reads of 8
+# consecutive tokens both land on distinct banks (layout_facts counts them).
+V2_O_PITCH_COMPACT = V2_O_ROWS
 #: The math warps, once an item's state is in registers, ask L2 for the state tile of the CTA's next
 #: item (32 KB: 2 lines per thread), so that item does not start with a DRAM round trip (varlen
 #: batches chain ~20 short items per CTA). ``CULA_KDA_RECUR_H0_PREFETCH=0`` turns it off for A/B runs.
@@ -92,6 +97,7 @@ STATE_PITCH_VF = DK + 4  # V-first buffer [64 v][128 k] rows
 STATE_BUF = max(DK * STATE_PITCH_KF, BV * STATE_PITCH_VF)  # fp32 elements (34,816 B)
 STATE_PIECES = BV * DK // 4 // V2_MATH_THREADS  # 16-byte pieces of a state tile per math thread (16)
 STATE_BARRIER = 1  # named barrier of the 128 math threads (0 is the CTA's)
+V_ZERO_BARRIER = 2  # t_in: the math threads' zeroing of a partial chunk's v rows is done
 
 
 def use_state_smem(num_seqs: int, num_chunks: int, has_state: bool) -> bool:
@@ -130,7 +136,7 @@ class KdaFwdRecur:
 
     def __init__(self, has_initial_state: bool, output_final_state: bool, state_v_first: bool,
                  variant: str | None = None, h0_prefetch: bool | None = None, pdl: bool | None = None,
-                 state_smem: bool = False):
+                 state_smem: bool = False, t_in: bool = False):
         self.has_h0 = has_initial_state
         self.pdl = PDL if pdl is None else pdl
         self.h0_prefetch = V2_H0_PREFETCH if h0_prefetch is None else h0_prefetch
@@ -143,6 +149,14 @@ class KdaFwdRecur:
         # the state through shared memory (v2 only, and only when there is a state to move)
         self.state_smem = bool(state_smem and variant == "v2" and (has_initial_state or output_final_state))
         self.stages = 2 if self.state_smem else V2_STAGES
+        # "u in stage 2" (kda_fwd.U_IN_RECUR; stage 1 compiled with t_out): the pAqk rows are [Aqk | T'] (128
+        # wide), pW holds -w and pU is the input v [TT, HV, 128]; each chunk starts with v_newᵀ = vᵀ T'ᵀ +
+        # Sᵀ(-w)ᵀ in one accumulator, so u never goes through memory (kda_fwd.md, session 17)
+        if t_in and variant != "v2":
+            raise ValueError(f"t_in: expected variant 'v2' (v1 reads u), got {variant!r}")
+        self.t_in = t_in
+        self.o_pitch = V2_O_PITCH_COMPACT if t_in else V2_O_PITCH
+        self.aqk_cols = 2 * CHUNK if t_in else CHUNK  # a chunk's Aqk (| T') box
 
     def _setup(self):
         """MMA atoms and smem layouts (needs the DSL's IR context: called inside __call__)."""
@@ -481,6 +495,12 @@ class KdaFwdRecur:
         self.t64_layout = sm90_utils.make_smem_layout_b(row, (BV, CHUNK, CHUNK), bf16, S)
         self.kgt2_layout = sm90_utils.make_smem_layout_b(row, (BV, DK, CHUNK), bf16, S)  # [128 k, 64 tok]
         self.gam_layout = cute.make_layout((DK, 1, S), stride=(1, DK, DK))  # γ [128] fp32 per stage
+        # t_in: [Aqk | T'] rows in one [64 tok, 128] tile (two t64 tiles back to back: layout_facts), and
+        # v [64 tok, 64 v] as the A operand vᵀ (M = v contiguous, i.e. MN-major) of an SS product
+        self.aqk2_layout = self.w2_layout if self.t_in else self.t64_layout
+        col = utils.LayoutEnum.COL_MAJOR
+        self.va_layout = (sm90_utils.make_smem_layout_a(col, (BV, CHUNK, CHUNK), bf16, S) if self.t_in
+                          else self.t64_layout)
 
     @cute.jit
     def launch_v2(
@@ -510,17 +530,22 @@ class KdaFwdRecur:
         # a chunk, γ as (k, chunk, head) so a box is one chunk's 128 floats
         mW = cute.make_tensor(pW, cute.make_layout((R, DK, HV), stride=(DK, 1, R * DK)))
         mQG = cute.make_tensor(pQG, cute.make_layout((R, DK, HV), stride=(DK, 1, R * DK)))
-        mAqk = cute.make_tensor(pAqk, cute.make_layout((R, CHUNK, HV), stride=(CHUNK, 1, R * CHUNK)))
         mKGT = cute.make_tensor(pKGT, cute.make_layout((DK, R, HV), stride=(R, 1, DK * R)))
-        mU = cute.make_tensor(pU, cute.make_layout((R, DV, HV), stride=(DV, 1, R * DV)))
         mGam = cute.make_tensor(pGam, cute.make_layout((DK, NC, HV), stride=(1, DK, NC * DK)))
+        self._setup_v2()
+        if cutlass.const_expr(self.t_in):
+            # [Aqk | T'] rows; v as (v, token, head): a box is vᵀ of the CTA's V half, at any first token
+            mAqk = cute.make_tensor(pAqk, cute.make_layout((R, 2 * CHUNK, HV), stride=(2 * CHUNK, 1, R * 2 * CHUNK)))
+            mU = cute.make_tensor(pU, cute.make_layout((DV, TT, HV), stride=(1, HV * DV, DV)))
+        else:
+            mAqk = cute.make_tensor(pAqk, cute.make_layout((R, CHUNK, HV), stride=(CHUNK, 1, R * CHUNK)))
+            mU = cute.make_tensor(pU, cute.make_layout((R, DV, HV), stride=(DV, 1, R * DV)))
         mChunks = cute.make_tensor(pChunks, cute.make_layout((NC, 2), stride=(2, 1)))
         mSeq = cute.make_tensor(pSeq, cute.make_layout((N, 2), stride=(2, 1)))
         mO = cute.make_tensor(pO, cute.make_layout((TT, HV, DV), stride=(HV * DV, DV, 1)))
         state = cute.make_layout((N, HV, DK, DV), stride=(HV * DK * DV, DK * DV, DV, 1))
         mH0 = cute.make_tensor(pH0, state)
         mHT = cute.make_tensor(pHT, state)
-        self._setup_v2()
         w_one = cute.slice_(self.w2_layout, (None, None, 0))
         t64_one = cute.slice_(self.t64_layout, (None, None, 0))
         kgt_one = cute.slice_(self.kgt2_layout, (None, None, 0))
@@ -528,13 +553,20 @@ class KdaFwdRecur:
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_w, tW = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mW, w_one, (CHUNK, DK))
         tma_qg, tQG = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mQG, w_one, (CHUNK, DK))
-        tma_aqk, tAqk = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mAqk, t64_one, (CHUNK, CHUNK))
         tma_kgt, tKGT = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mKGT, kgt_one, (DK, CHUNK))
-        tma_u, tU = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mU, t64_one, (CHUNK, BV))
         tma_gam, tGam = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mGam, gam_one, (DK, 1))
+        if cutlass.const_expr(self.t_in):
+            va_one = cute.slice_(self.va_layout, (None, None, 0))
+            tma_aqk, tAqk = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mAqk, w_one, (CHUNK, 2 * CHUNK))
+            tma_u, tU = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mU, va_one, (BV, CHUNK))
+            aqk_bytes, u_bytes = cute.size_in_bytes(bf16, w_one), cute.size_in_bytes(bf16, va_one)
+        else:
+            tma_aqk, tAqk = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mAqk, t64_one, (CHUNK, CHUNK))
+            tma_u, tU = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mU, t64_one, (CHUNK, BV))
+            aqk_bytes = u_bytes = cute.size_in_bytes(bf16, t64_one)
         self.tx_bytes_v2 = (
             2 * cute.size_in_bytes(bf16, w_one)
-            + 2 * cute.size_in_bytes(bf16, t64_one)
+            + aqk_bytes + u_bytes
             + cute.size_in_bytes(bf16, kgt_one)
             + cute.size_in_bytes(f32, gam_one)
         )
@@ -544,11 +576,11 @@ class KdaFwdRecur:
             bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             sW: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.w2_layout)], 1024]
             sQG: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.w2_layout)], 1024]
-            sAqk: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.t64_layout)], 1024]
+            sAqk: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.aqk2_layout)], 1024]
             sKGT: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.kgt2_layout)], 1024]
-            sU: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.t64_layout)], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.va_layout)], 1024]
             sGam: cute.struct.Align[cute.struct.MemRange[f32, cute.cosize(self.gam_layout)], 128]
-            sO: cute.struct.Align[cute.struct.MemRange[mO.element_type, V2_WARPS * V2_O_TILE], 128]
+            sO: cute.struct.Align[cute.struct.MemRange[mO.element_type, V2_WARPS * CHUNK * self.o_pitch], 128]
             sH: cute.struct.Align[cute.struct.MemRange[f32, STATE_BUF if self.state_smem else 4], 128]
 
         self.shared_storage_v2 = SharedStorageV2
@@ -556,7 +588,7 @@ class KdaFwdRecur:
         self.kernel_v2(
             tma_w, tW, tma_qg, tQG, tma_aqk, tAqk, tma_kgt, tKGT, tma_u, tU, tma_gam, tGam,
             mChunks, mSeq, mO, mH0, mHT, self.mma_rs_n64, self.mma_rs_n128,
-            self.w2_layout, self.t64_layout, self.kgt2_layout, self.gam_layout,
+            self.w2_layout, self.t64_layout, self.kgt2_layout, self.gam_layout, self.aqk2_layout, self.va_layout,
         ).launch(grid=[cutlass.min((DV // BV) * HV * N, max_ctas), 1, 1], block=[V2_THREADS, 1, 1],
                  smem=SharedStorageV2.size_in_bytes(), stream=stream, use_pdl=self.pdl)
 
@@ -586,6 +618,8 @@ class KdaFwdRecur:
         t64_layout: cute.ComposedLayout,
         kgt_layout: cute.ComposedLayout,
         gam_layout: cute.Layout,
+        aqk_layout: cute.ComposedLayout,
+        u_layout: cute.ComposedLayout,
     ):
         f32, bf16 = cutlass.Float32, cutlass.BFloat16
         tidx, _, _ = cute.arch.thread_idx()
@@ -615,15 +649,16 @@ class KdaFwdRecur:
         pipeline.pipeline_init_wait()  # the CTA's only full barrier: the mbarriers are initialised
         sW = storage.sW.get_tensor(w_layout.outer, swizzle=w_layout.inner)
         sQG = storage.sQG.get_tensor(w_layout.outer, swizzle=w_layout.inner)
-        sAqk = storage.sAqk.get_tensor(t64_layout.outer, swizzle=t64_layout.inner)
+        sAqk = storage.sAqk.get_tensor(aqk_layout.outer, swizzle=aqk_layout.inner)  # t_in: (tok, Aqk | T', stage)
         sKGT = storage.sKGT.get_tensor(kgt_layout.outer, swizzle=kgt_layout.inner)
-        sU = storage.sU.get_tensor(t64_layout.outer, swizzle=t64_layout.inner)  # (tok, v, stage)
+        sU = storage.sU.get_tensor(u_layout.outer, swizzle=u_layout.inner)  # (tok, v, stage); t_in: (v, tok, stage)
         # (v, tok, stage) view of the same bytes: partitioned like the v_newᵀ accumulator
-        sU_vt = storage.sU.get_tensor(cute.select(t64_layout.outer, mode=[1, 0, 2]), swizzle=t64_layout.inner)
+        sU_vt = storage.sU.get_tensor(cute.select(u_layout.outer, mode=[1, 0, 2]), swizzle=u_layout.inner)
         sGam = storage.sGam.get_tensor(gam_layout)  # (k, 1, stage)
         # this warp's o staging tile [64 tok, 16 v] (a warp's accumulator rows are 16 v of the 64)
-        sO_w = storage.sO.data_ptr() + warp_idx * V2_O_TILE
+        sO_w = storage.sO.data_ptr() + warp_idx * (CHUNK * self.o_pitch)
         sH = storage.sH.get_tensor(cute.make_layout(STATE_BUF if self.state_smem else 4))  # the state buffer
+        u_raw = storage.sU.data_ptr()  # the u / v tiles' unswizzled start
 
         if warp_idx == V2_TMA_WARP:
             # ============ TMA warp: each stage is refilled as soon as the math warps release it
@@ -645,15 +680,19 @@ class KdaFwdRecur:
                 n_chunks = mSeq[seq, 1]
                 gW = cute.local_tile(tW[None, None, hv], (CHUNK, DK), (None, 0))
                 gQG = cute.local_tile(tQG[None, None, hv], (CHUNK, DK), (None, 0))
-                gAqk = cute.local_tile(tAqk[None, None, hv], (CHUNK, CHUNK), (None, 0))
+                gAqk = cute.local_tile(tAqk[None, None, hv], (CHUNK, self.aqk_cols), (None, 0))
                 gKGT = cute.local_tile(tKGT[None, None, hv], (DK, CHUNK), (0, None))
-                gU = cute.local_tile(tU[None, None, hv], (CHUNK, BV), (None, vtile))
+                gU = tU  # t_in: tiled per chunk below (a chunk starts at any token)
+                if cutlass.const_expr(not self.t_in):
+                    gU = cute.local_tile(tU[None, None, hv], (CHUNK, BV), (None, vtile))
                 gG = cute.local_tile(tGam[None, None, hv], (DK, 1), (0, None))
                 tWs, tWg = part(tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
                 tQs, tQg = part(tma_qg, 0, one, cute.group_modes(sQG, 0, 2), cute.group_modes(gQG, 0, 2))
                 tAs, tAg = part(tma_aqk, 0, one, cute.group_modes(sAqk, 0, 2), cute.group_modes(gAqk, 0, 2))
                 tKs, tKg = part(tma_kgt, 0, one, cute.group_modes(sKGT, 0, 2), cute.group_modes(gKGT, 0, 2))
-                tUs, tUg = part(tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gU, 0, 2))
+                tUs, tUg = sU, gU
+                if cutlass.const_expr(not self.t_in):
+                    tUs, tUg = part(tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gU, 0, 2))
                 tGs, tGg = part(tma_gam, 0, one, cute.group_modes(sGam, 0, 2), cute.group_modes(gG, 0, 2))
                 for ci in cutlass.range(n_chunks, unroll=1):
                     c = c_first + ci
@@ -662,7 +701,15 @@ class KdaFwdRecur:
                     st = prod.index
                     cute.copy(tma_w, tWg[None, c], tWs[None, st], tma_bar_ptr=bar)
                     cute.copy(tma_qg, tQg[None, c], tQs[None, st], tma_bar_ptr=bar)
-                    cute.copy(tma_u, tUg[None, c], tUs[None, st], tma_bar_ptr=bar)
+                    if cutlass.const_expr(self.t_in):
+                        # vᵀ of the chunk's 64 tokens (rows past the sequence's end are the next one's
+                        # tokens, or zeros past the tensor: the math warps zero them before use)
+                        gV = cute.local_tile(cute.domain_offset((0, mChunks[c, 0]), tU[None, None, hv]),
+                                             (BV, CHUNK), (vtile, None))
+                        tVs, tVg = part(tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gV, 0, 2))
+                        cute.copy(tma_u, tVg[None, 0], tVs[None, st], tma_bar_ptr=bar)
+                    else:
+                        cute.copy(tma_u, tUg[None, c], tUs[None, st], tma_bar_ptr=bar)
                     cute.copy(tma_gam, tGg[None, c], tGs[None, st], tma_bar_ptr=bar)
                     cute.copy(tma_kgt, tKg[None, c], tKs[None, st], tma_bar_ptr=bar)
                     cute.copy(tma_aqk, tAg[None, c], tAs[None, st], tma_bar_ptr=bar)
@@ -674,7 +721,16 @@ class KdaFwdRecur:
             thr128 = mma_n128.get_slice(tidx)
             rB_w = mma_n64.make_fragment_B(thr64.partition_B(sW))
             rB_qg = mma_n64.make_fragment_B(thr64.partition_B(sQG))
-            rB_aqk = mma_n64.make_fragment_B(thr64.partition_B(sAqk))
+            rB_aqk = mma_n64.make_fragment_B(thr64.partition_B(sAqk))  # t_in: k blocks 0-3 Aqk, 4-7 T'
+            if cutlass.const_expr(self.t_in):
+                # vᵀ T'ᵀ: A = vᵀ from shared memory, MN-major (made here: a TiledMma argument adds a kernel
+                # parameter, and the default's PTX stays byte-identical this way)
+                mma_t = sm90_utils.make_trivial_tiled_mma(
+                    bf16, bf16, utils.LayoutEnum.COL_MAJOR.sm90_mma_major_mode(),
+                    utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(), f32, (1, 1, 1), (BV, CHUNK))
+                thr_t = mma_t.get_slice(tidx)
+                rA_v = mma_t.make_fragment_A(thr_t.partition_A(sU))  # vᵀ
+                rB_tp = mma_t.make_fragment_B(thr_t.partition_B(sAqk))  # k blocks 4-7: T'
             rB_kgt = mma_n128.make_fragment_B(thr128.partition_B(sKGT))
             acc_s = thr128.make_fragment_C(thr128.partition_shape_C((BV, DK)))
             acc_vt = thr64.make_fragment_C(thr64.partition_shape_C((BV, CHUNK)))
@@ -689,7 +745,7 @@ class KdaFwdRecur:
             u_copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), bf16)
             cS = thr128.partition_C(cute.make_identity_tensor((BV, DK)))  # (v, k)
             cN = thr64.partition_C(cute.make_identity_tensor((BV, CHUNK)))  # (v, tok)
-            tOs = cute.make_tensor(sO_w, cute.make_layout((CHUNK, V2_O_ROWS), stride=(V2_O_PITCH, 1)))
+            tOs = cute.make_tensor(sO_w, cute.make_layout((CHUNK, V2_O_ROWS), stride=(self.o_pitch, 1)))
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             if cutlass.const_expr(self.state_smem):
                 acc_s.fill(0.0)  # what the first swap parks in the buffer (never copied out)
@@ -725,10 +781,23 @@ class KdaFwdRecur:
                 for ci in cutlass.range(n_chunks, unroll=1):
                     pipe.consumer_wait(cons)
                     st = cons.index
-                    # group 1: Sᵀ wᵀ, the head of the chain through the chunk; group 2: oᵀ = Sᵀ qgᵀ,
-                    # off the chain, keeps the tensor pipe busy while v_new is formed
+                    if cutlass.const_expr(self.t_in):
+                        # a partial chunk's v rows past the sequence's end hold the next sequence's tokens:
+                        # T' has zero columns there, but 0 x Inf is not 0
+                        nvalid = seq_end - (bos + ci * CHUNK)
+                        if nvalid < CHUNK:
+                            self.zero_v_rows(u_raw, st, nvalid, tidx)
+                    # group 1: Sᵀ wᵀ, the head of the chain through the chunk (t_in: vᵀ T'ᵀ + Sᵀ(-w)ᵀ, v_newᵀ
+                    # itself); group 2: oᵀ = Sᵀ qgᵀ, off the chain, keeps the tensor pipe busy while v_new is formed
                     warpgroup.fence()
                     mma_n64.set(warpgroup.Field.ACCUMULATE, False)
+                    if cutlass.const_expr(self.t_in):
+                        mma_t.set(warpgroup.Field.ACCUMULATE, False)
+                        for kb in cutlass.range_constexpr(cute.size(rA_v, mode=[2])):
+                            cute.gemm(mma_t, acc_vt, rA_v[None, None, kb, st], rB_tp[None, None, kb + 4, st],
+                                      acc_vt)
+                            mma_t.set(warpgroup.Field.ACCUMULATE, True)
+                        mma_n64.set(warpgroup.Field.ACCUMULATE, True)
                     for kb in cutlass.range_constexpr(cute.size(rS, mode=[2])):
                         cute.gemm(mma_n64, acc_vt, rS[None, None, kb], rB_w[None, None, kb, st], acc_vt)
                         mma_n64.set(warpgroup.Field.ACCUMULATE, True)
@@ -742,12 +811,14 @@ class KdaFwdRecur:
                     # in the previous iteration make ptxas wait for the groups in flight), and u
                     if ci > 0:
                         self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, warp_idx, tidx, bos, seq_end, ci - 1)
-                    cute.copy(u_copy, thr64.partition_C(sU_vt[None, None, st]), rU)
+                    if cutlass.const_expr(not self.t_in):
+                        cute.copy(u_copy, thr64.partition_C(sU_vt[None, None, st]), rU)
                     warpgroup.wait_group(1)  # group 1 done
 
                     # v_newᵀ and Sᵀ diag(γ) (after the wait for the same reason as o)
-                    for i in cutlass.range_constexpr(cute.size(acc_vt)):
-                        acc_vt[i] = rU[i].to(f32) - acc_vt[i]
+                    if cutlass.const_expr(not self.t_in):
+                        for i in cutlass.range_constexpr(cute.size(acc_vt)):
+                            acc_vt[i] = rU[i].to(f32) - acc_vt[i]
                     rV_c.store(acc_vt.load().to(bf16))
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
                         vv, kk = cS[i]
@@ -864,6 +935,28 @@ class KdaFwdRecur:
         prefetch_line_l2(mH0.iterator + first)
         prefetch_line_l2(mH0.iterator + first + per_line)
 
+    def o_offset(self, tt, vv):
+        """Element offset of (token tt, v vv of the warp's 16) in a warp's o staging tile."""
+        if cutlass.const_expr(self.t_in):  # compact: the 16-byte halves swapped where bit 2 of tt is set
+            return tt * V2_O_PITCH_COMPACT + (vv ^ (((tt >> 2) & 1) << 3))
+        return tt * V2_O_PITCH + vv
+
+    @cute.jit
+    def zero_v_rows(self, u_raw: cute.Pointer, st, nvalid, tidx):
+        """t_in: zero the token rows >= nvalid of stage ``st``'s vᵀ tile (``u_raw``: its unswizzled start)
+        before the wgmma reads it. A token's 64 values are one 128-byte row of the tile, permuted inside the
+        row by the swizzle (layout_facts), so whole rows are zeroed as 8 16-byte pieces, swizzle or not."""
+        zero = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+        zero.fill(0.0)
+        for r in cutlass.range_constexpr(CHUNK * 8 // V2_MATH_THREADS):
+            row = tidx // 8 + (V2_MATH_THREADS // 8) * r
+            if row >= nvalid:
+                off = st * (CHUNK * BV) + row * BV + (tidx % 8) * 8
+                cute.make_tensor(u_raw + cute.assume(off, divby=8), cute.make_layout(8)).store(zero.load())
+        # generic-proxy writes, read next by wgmma (the async proxy), by every math warp
+        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+        cute.arch.barrier(barrier_id=V_ZERO_BARRIER, number_of_threads=V2_MATH_THREADS)
+
     @cute.jit
     def store_o_v2(self, rO, cN, tOs, sO_w, mO, hv, v0, warp, tidx, bos, seq_end, ci):
         """oᵀ of chunk ``ci`` (its copy in o's dtype) -> o rows: through this warp's smem tile [64 tok, 16 v], then 16-byte
@@ -874,14 +967,18 @@ class KdaFwdRecur:
         cute.arch.sync_warp()  # the previous chunk's reads of the tile are done
         for i in cutlass.range_constexpr(cute.size(rO)):
             vv, tt = cN[i]
-            tOs[tt, vv % V2_O_ROWS] = rO[i]
+            if cutlass.const_expr(self.t_in):
+                cute.make_tensor(sO_w, cute.make_layout(CHUNK * V2_O_PITCH_COMPACT))[
+                    self.o_offset(tt, vv % V2_O_ROWS)] = rO[i]
+            else:
+                tOs[tt, vv % V2_O_ROWS] = rO[i]
         cute.arch.sync_warp()
         lane = tidx % 32
         half = lane // 16
         for j in cutlass.range_constexpr(V2_O_VECS):
             tt = lane % 16 + 16 * j
             if tt < nvalid:
-                src = cute.make_tensor(sO_w + cute.assume(tt * V2_O_PITCH + half * 8, divby=8), cute.make_layout(8))
+                src = cute.make_tensor(sO_w + cute.assume(self.o_offset(tt, half * 8), divby=8), cute.make_layout(8))
                 dst_off = cute.crd2idx((tok0 + tt, hv, v0 + warp * V2_O_ROWS + half * 8), mO.layout)
                 dst = cute.make_tensor(mO.iterator + cute.assume(dst_off, divby=8), cute.make_layout(8))
                 dst.store(src.load())
@@ -919,6 +1016,11 @@ def compile_targets():
     targets["v2_state_smem_v_first"] = build(**{**full, "state_v_first": True}, variant="v2", state_smem=True)
     targets["v2_state_smem_h0_only"] = build(**{**full, "output_final_state": False}, variant="v2", state_smem=True)
     targets["v2_state_smem_ht_only"] = build(**{**full, "has_initial_state": False}, variant="v2", state_smem=True)
+    # u in stage 2 (kda_fwd.U_IN_RECUR): three stages, and two with the state buffer
+    targets["v2_t_in"] = build(**full, variant="v2", t_in=True)
+    targets["v2_t_in_no_state"] = build(has_initial_state=False, output_final_state=False, state_v_first=False,
+                                        variant="v2", t_in=True)
+    targets["v2_t_in_state_smem"] = build(**full, variant="v2", state_smem=True, t_in=True)
     return targets
 
 
@@ -933,13 +1035,13 @@ def _swizzle_128b(byte_offset: int) -> int:
 def _bank_conflicts(addresses: list[int], width: int) -> int:
     """Extra shared-memory wavefronts of one warp access (``width``-byte elements at ``addresses``):
     accesses of up to 4 bytes go in one pass over 32 banks, 8/16-byte ones per half / quarter warp;
-    lanes reading the same 4-byte word share it."""
+    lanes reading the same 4-byte word share it (an access touches the words its own bytes are in)."""
     lanes_per_pass = 32 if width <= 4 else 128 // width
     extra = 0
     for p in range(0, len(addresses), lanes_per_pass):
         words_per_bank: dict[int, set] = {}
         for a in addresses[p:p + lanes_per_pass]:
-            for w in range(a // 4, (a + max(width, 4) - 1) // 4 + 1):
+            for w in range(a // 4, (a + width - 1) // 4 + 1):
                 words_per_bank.setdefault(w % 32, set()).add(w)
         extra += max(len(ws) for ws in words_per_bank.values()) - 1
     return extra
@@ -970,6 +1072,8 @@ def layout_facts() -> dict:
         t64 = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (BV, CHUNK, CHUNK), bf16, 1)
         per_value_u: dict[int, list] = {}
         per_value_o: dict[int, list] = {}
+        per_value_oc: dict[int, list] = {}  # t_in's compact o staging
+        compact = KdaFwdRecur(True, True, False, variant="v2", t_in=True)
         for t in range(V2_MATH_THREADS):
             # (producer C fragment, consumer mma, K): Sᵀ feeds K = 128 of the n64 products; v_newᵀ
             # feeds K = 64 of the n64 (Aqk) and n128 (state) products
@@ -993,6 +1097,7 @@ def layout_facts() -> dict:
                     u_byte = 2 * int(cute.crd2idx((tt, vv, 0), t64.outer))
                     per_value_u.setdefault(i, []).append(_swizzle_128b(u_byte))
                     per_value_o.setdefault(i, []).append(2 * (tt * V2_O_PITCH + vv % V2_O_ROWS))
+                    per_value_oc.setdefault(i, []).append(2 * compact.o_offset(tt, vv % V2_O_ROWS))
         for i in per_value_u:
             u_conflicts += _bank_conflicts(per_value_u[i], 2)
             o_write_conflicts += _bank_conflicts(per_value_o[i], 2)
@@ -1005,6 +1110,25 @@ def layout_facts() -> dict:
         facts["o_read_conflicts"] = sum(
             _bank_conflicts([2 * ((lane % 16 + 16 * j) * V2_O_PITCH + 8 * (lane // 16)) for lane in range(32)], 16)
             for j in range(V2_O_VECS))
+        # t_in: the compact o tile (2-byte writes value by value, 16-byte reads), each element once; the vᵀ
+        # tile's token rows are whole 128-byte rows (what zero_v_rows clears); [Aqk | T'] is two t64 tiles
+        facts["o_compact_write_conflicts"] = sum(_bank_conflicts(a, 2) for a in per_value_oc.values())
+        facts["o_compact_read_conflicts"] = sum(
+            _bank_conflicts([2 * compact.o_offset(lane % 16 + 16 * j, 8 * (lane // 16)) for lane in range(32)], 16)
+            for j in range(V2_O_VECS))
+        facts["o_compact_exact_cover"] = sorted(
+            compact.o_offset(tt, v) for tt in range(CHUNK) for v in range(V2_O_ROWS)) == list(range(CHUNK * V2_O_ROWS))
+        va = sm90_utils.make_smem_layout_a(utils.LayoutEnum.COL_MAJOR, (BV, CHUNK, CHUNK), bf16, 2)
+        facts["va_token_rows"] = all(
+            sorted(int(cute.crd2idx((m, k, st), va.outer)) for m in range(BV))
+            == list(range(st * CHUNK * BV + k * BV, st * CHUNK * BV + (k + 1) * BV))
+            for k in range(CHUNK) for st in range(2))
+        w2 = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (BV, CHUNK, DK), bf16, 1)
+        facts["aqk_t_halves_are_t64"] = all(
+            int(cute.crd2idx((n, c, 0), w2.outer))
+            == (c // CHUNK) * CHUNK * CHUNK + int(cute.crd2idx((n, c % CHUNK, 0), t64.outer))
+            for n in range(CHUNK) for c in range(DK))
+        facts["swizzle_va"] = str(va.inner)
         # the state buffer: every fragment access of warp 0 (4-byte, value by value), per layout
         c_s = rs_n128.get_slice(0).partition_C(cute.make_identity_tensor((BV, DK)))
         for v_first in (False, True):
