@@ -211,9 +211,9 @@ def test_ptx_compiles_clean(target, needs_wgmma):
             # columns each), the rest as the default
             base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc")
             assert rep.count("st.global.v4") == base.count("st.global.v4") + 4
-        if target == "intra_tc_t_out":  # -w: 64 negations (0 - x) more than the diagnostic without T'
-            base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_diag_no_v_u")
-            assert rep.count("sub.f32") == base.count("sub.f32") + 64
+        if target == "intra_tc_t_out":  # -w from -X: 64 negations more than the diagnostic without T'
+            base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_diag_no_v_u")  # (ptxas folds them)
+            assert rep.count("neg.f32") == base.count("neg.f32") + 64
 
 
 def test_tc_layout_facts():
@@ -250,6 +250,7 @@ def test_recur_v2_layout_facts():
     # u in stage 2 (t_in): the compact o tile is conflict-free and covered once, zero_v_rows' whole 128-byte
     # token rows, and [Aqk | T'] as two t64 tiles (the k blocks 4-7 of the B fragment are T')
     assert facts["o_compact_write_conflicts"] == facts["o_compact_read_conflicts"] == 0
+    assert facts["o_compact_swap_mismatches"] == 0  # store_o_v2 takes one half-swap per thread
     assert facts["o_compact_exact_cover"] and facts["va_token_rows"] and facts["aqk_t_halves_are_t64"]
     assert facts["swizzle_va"] == "S<3,4,3>"
 

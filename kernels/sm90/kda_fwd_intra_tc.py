@@ -158,8 +158,8 @@ class KdaFwdIntraTC:
         self.emit_akk = emit_akk
         # "u in stage 2" (kda_fwd.U_IN_RECUR): stage 1 neither reads v nor forms u = T' v; it stores T' (bf16,
         # [64, 64] per chunk) beside Aqk (the Aqk buffer is [HV, NC*64, 128]: Aqk in columns 0-63, T' in 64-127,
-        # so stage 2 loads both with one TMA box) and -w instead of w (stage 2 then forms v_new = T' v + S^T(-w)
-        # in one accumulator); pU is not used
+        # so stage 2 loads both with one TMA box) and -w instead of w (from -X; stage 2 then forms v_new =
+        # T' v + S^T(-w) in one accumulator); pU is not used
         assert not (t_out and emit_akk), "emit_akk keeps u (the training path runs the default stages)"
         self.t_out = t_out
         # no v loads, prefetches or tile and no u product or store: t_out, or the diagnostic that times it
@@ -664,7 +664,10 @@ class KdaFwdIntraTC:
                 qa[c] = rq[c] * fa
                 kt[c] = rk[c] * fb
                 kh[c] = kt[c] * fh[c]  # k̂ 2^(E − Γ) <= |k̂|
-                xx[c] = rk[c] * fg
+                if cutlass.const_expr(self.t_out):  # -X, so that w = T'X leaves as -w (ptxas folds the sign)
+                    xx[c] = (-rk[c]) * fg
+                else:
+                    xx[c] = rk[c] * fg
                 qg[c] = rq[c] * fg
                 kgt[c, rr] = (kh[c] * fk[c]).to(BF16)  # k̂ 2^(Γ_last − Γ)
             obf.store(ka.load().to(BF16))
@@ -825,10 +828,7 @@ class KdaFwdIntraTC:
         thr_st = st_wu.get_slice(tidx)
         for x in cutlass.range_constexpr(len(b_tiles)):
             r_out = cute.make_rmem_tensor(acc_wu[x].layout, BF16)
-            if cutlass.const_expr(self.t_out):  # -w: stage 2 adds S^T(-w)^T to T' v in one accumulator
-                r_out.store((-acc_wu[x].load()).to(BF16))
-            else:
-                r_out.store(acc_wu[x].load().to(BF16))
+            r_out.store(acc_wu[x].load().to(BF16))
             cute.copy(st_wu, st_wu.retile(r_out), thr_st.partition_D(stage_tiles[x][None, None, 0]))
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()

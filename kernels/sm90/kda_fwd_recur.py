@@ -965,11 +965,14 @@ class KdaFwdRecur:
         tok0 = bos + ci * CHUNK
         nvalid = cutlass.min(seq_end - tok0, CHUNK)
         cute.arch.sync_warp()  # the previous chunk's reads of the tile are done
+        # compact tile: every token of a thread's fragment has the same bit 2 (tokens 2 (lane % 4) + {0, 1} + 8 j:
+        # layout_facts), so the half swap is one value per thread
+        swap = ((cN[0][1] >> 2) & 1) << 3
         for i in cutlass.range_constexpr(cute.size(rO)):
             vv, tt = cN[i]
             if cutlass.const_expr(self.t_in):
                 cute.make_tensor(sO_w, cute.make_layout(CHUNK * V2_O_PITCH_COMPACT))[
-                    self.o_offset(tt, vv % V2_O_ROWS)] = rO[i]
+                    tt * V2_O_PITCH_COMPACT + ((vv % V2_O_ROWS) ^ swap)] = rO[i]
             else:
                 tOs[tt, vv % V2_O_ROWS] = rO[i]
         cute.arch.sync_warp()
@@ -1074,6 +1077,7 @@ def layout_facts() -> dict:
         per_value_o: dict[int, list] = {}
         per_value_oc: dict[int, list] = {}  # t_in's compact o staging
         compact = KdaFwdRecur(True, True, False, variant="v2", t_in=True)
+        bad_swap = 0
         for t in range(V2_MATH_THREADS):
             # (producer C fragment, consumer mma, K): Sᵀ feeds K = 128 of the n64 products; v_newᵀ
             # feeds K = 64 of the n64 (Aqk) and n128 (state) products
@@ -1098,6 +1102,7 @@ def layout_facts() -> dict:
                     per_value_u.setdefault(i, []).append(_swizzle_128b(u_byte))
                     per_value_o.setdefault(i, []).append(2 * (tt * V2_O_PITCH + vv % V2_O_ROWS))
                     per_value_oc.setdefault(i, []).append(2 * compact.o_offset(tt, vv % V2_O_ROWS))
+                bad_swap += int((tt >> 2) & 1 != (base[1] >> 2) & 1)  # store_o_v2's one swap per thread
         for i in per_value_u:
             u_conflicts += _bank_conflicts(per_value_u[i], 2)
             o_write_conflicts += _bank_conflicts(per_value_o[i], 2)
@@ -1116,6 +1121,7 @@ def layout_facts() -> dict:
         facts["o_compact_read_conflicts"] = sum(
             _bank_conflicts([2 * compact.o_offset(lane % 16 + 16 * j, 8 * (lane // 16)) for lane in range(32)], 16)
             for j in range(V2_O_VECS))
+        facts["o_compact_swap_mismatches"] = bad_swap
         facts["o_compact_exact_cover"] = sorted(
             compact.o_offset(tt, v) for tt in range(CHUNK) for v in range(V2_O_ROWS)) == list(range(CHUNK * V2_O_ROWS))
         va = sm90_utils.make_smem_layout_a(utils.LayoutEnum.COL_MAJOR, (BV, CHUNK, CHUNK), bf16, 2)
