@@ -74,6 +74,9 @@ V2_O_VECS = CHUNK * V2_O_ROWS // 8 // 32  # 16-byte vectors per lane per chunk (
 # bit 2 of tt is set: the 2-byte writes of tokens 0, 2, 4, 6 (or 1, 3, 5, 7) and the 16-byte reads of 8
 # consecutive tokens both land on distinct banks (layout_facts counts them).
 V2_O_PITCH_COMPACT = V2_O_ROWS
+# (t_in's vᵀ T'ᵀ heads each chunk's chain, 4 k-steps before Sᵀ(-w)ᵀ. Issuing it a chunk early, while the threads
+# convert Sᵀ to bf16, is what would hide them, but ptxas then serialises the wgmma pipeline (C7514/C7517: the
+# conversions read accumulator registers while a wgmma is in flight), so it stays at the chunk's start.)
 #: The math warps, once an item's state is in registers, ask L2 for the state tile of the CTA's next
 #: item (32 KB: 2 lines per thread), so that item does not start with a DRAM round trip (varlen
 #: batches chain ~20 short items per CTA). ``CULA_KDA_RECUR_H0_PREFETCH=0`` turns it off for A/B runs.
@@ -723,11 +726,7 @@ class KdaFwdRecur:
             rB_qg = mma_n64.make_fragment_B(thr64.partition_B(sQG))
             rB_aqk = mma_n64.make_fragment_B(thr64.partition_B(sAqk))  # t_in: k blocks 0-3 Aqk, 4-7 T'
             if cutlass.const_expr(self.t_in):
-                # vᵀ T'ᵀ: A = vᵀ from shared memory, MN-major (made here: a TiledMma argument adds a kernel
-                # parameter, and the default's PTX stays byte-identical this way)
-                mma_t = sm90_utils.make_trivial_tiled_mma(
-                    bf16, bf16, utils.LayoutEnum.COL_MAJOR.sm90_mma_major_mode(),
-                    utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(), f32, (1, 1, 1), (BV, CHUNK))
+                mma_t = self.make_mma_t()  # vᵀ T'ᵀ's operand partitions
                 thr_t = mma_t.get_slice(tidx)
                 rA_v = mma_t.make_fragment_A(thr_t.partition_A(sU))  # vᵀ
                 rB_tp = mma_t.make_fragment_B(thr_t.partition_B(sAqk))  # k blocks 4-7: T'
@@ -781,23 +780,13 @@ class KdaFwdRecur:
                 for ci in cutlass.range(n_chunks, unroll=1):
                     pipe.consumer_wait(cons)
                     st = cons.index
+                    # group 1: Sᵀ wᵀ, the head of the chain through the chunk (t_in: after vᵀ T'ᵀ, into the same
+                    # accumulator, so it is v_newᵀ itself); group 2: oᵀ = Sᵀ qgᵀ, off the chain, keeps the tensor
+                    # pipe busy while v_new is formed
                     if cutlass.const_expr(self.t_in):
-                        # a partial chunk's v rows past the sequence's end hold the next sequence's tokens:
-                        # T' has zero columns there, but 0 x Inf is not 0
-                        nvalid = seq_end - (bos + ci * CHUNK)
-                        if nvalid < CHUNK:
-                            self.zero_v_rows(u_raw, st, nvalid, tidx)
-                    # group 1: Sᵀ wᵀ, the head of the chain through the chunk (t_in: vᵀ T'ᵀ + Sᵀ(-w)ᵀ, v_newᵀ
-                    # itself); group 2: oᵀ = Sᵀ qgᵀ, off the chain, keeps the tensor pipe busy while v_new is formed
+                        self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, st, seq_end - (bos + ci * CHUNK), tidx)
                     warpgroup.fence()
-                    mma_n64.set(warpgroup.Field.ACCUMULATE, False)
-                    if cutlass.const_expr(self.t_in):
-                        mma_t.set(warpgroup.Field.ACCUMULATE, False)
-                        for kb in cutlass.range_constexpr(cute.size(rA_v, mode=[2])):
-                            cute.gemm(mma_t, acc_vt, rA_v[None, None, kb, st], rB_tp[None, None, kb + 4, st],
-                                      acc_vt)
-                            mma_t.set(warpgroup.Field.ACCUMULATE, True)
-                        mma_n64.set(warpgroup.Field.ACCUMULATE, True)
+                    mma_n64.set(warpgroup.Field.ACCUMULATE, self.t_in)
                     for kb in cutlass.range_constexpr(cute.size(rS, mode=[2])):
                         cute.gemm(mma_n64, acc_vt, rS[None, None, kb], rB_w[None, None, kb, st], acc_vt)
                         mma_n64.set(warpgroup.Field.ACCUMULATE, True)
@@ -940,6 +929,29 @@ class KdaFwdRecur:
         if cutlass.const_expr(self.t_in):  # compact: the 16-byte halves swapped where bit 2 of tt is set
             return tt * V2_O_PITCH_COMPACT + (vv ^ (((tt >> 2) & 1) << 3))
         return tt * V2_O_PITCH + vv
+
+    def make_mma_t(self):
+        """t_in's vᵀ T'ᵀ: A = vᵀ from shared memory, MN-major (made in the kernel: a TiledMma argument adds a
+        kernel parameter, and the default's PTX stays byte-identical this way)."""
+        bf16 = cutlass.BFloat16
+        return sm90_utils.make_trivial_tiled_mma(
+            bf16, bf16, utils.LayoutEnum.COL_MAJOR.sm90_mma_major_mode(),
+            utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1), (BV, CHUNK))
+
+    @cute.jit
+    def issue_vt(self, acc_vt, rA_v, rB_tp, u_raw, st, nvalid, tidx):
+        """t_in: acc_vt = vᵀ T'ᵀ of the chunk in stage ``st`` (``nvalid`` of its rows in the sequence), one
+        commit group. A partial chunk's v rows past the sequence's end hold the next sequence's tokens: T' has
+        zero columns there, but 0 x Inf is not 0, so they are zeroed first."""
+        if nvalid < CHUNK:
+            self.zero_v_rows(u_raw, st, nvalid, tidx)
+        mma_t = self.make_mma_t()  # its own: a TiledMma's ACCUMULATE field is SSA state of one region
+        warpgroup.fence()
+        mma_t.set(warpgroup.Field.ACCUMULATE, False)
+        for kb in cutlass.range_constexpr(cute.size(rA_v, mode=[2])):
+            cute.gemm(mma_t, acc_vt, rA_v[None, None, kb, st], rB_tp[None, None, kb + 4, st], acc_vt)
+            mma_t.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
 
     @cute.jit
     def zero_v_rows(self, u_raw: cute.Pointer, st, nvalid, tidx):
