@@ -209,6 +209,17 @@ for s in $steps; do
         for a in 0 1 0 1; do
             step u_split$a 70 env CULA_KDA_U_IN_RECUR=$a python3 -m cula.kernels.sm90.kda_fwd --check --split worst
         done ;;
+    overlap)  # session 17: stage 2 alongside stage 1 (CULA_KDA_OVERLAP, CPU-compiled only): bitwise checks against the
+        # sequential launch (large fixed / varlen cases and varlen-33, repeated, in a CUDA graph; ~8 compiles), then
+        # splits off / on at three stage-2 shares (the "both" column is the one that changes; <= 640 s in all:
+        # split it over two calls if the budget is short). A hang here is the counters' fault.
+        step overlap_tests 360 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "overlap_equals_sequential and (big or varlen-33)"
+        step overlap_split0 70 env CULA_KDA_OVERLAP=0 python3 -m cula.kernels.sm90.kda_fwd --check --split worst
+        for c in 16 24 36; do
+            step overlap_split_$c 70 env CULA_KDA_OVERLAP=1 CULA_KDA_OVERLAP_CTAS=$c python3 -m \
+                cula.kernels.sm90.kda_fwd --check --split worst
+        done ;;
     cp_gpu)  # session 13's CPU-only CP pieces (one GPU is enough): KDA in pieces bitwise, the CP emulation tests
         step kda_pieces 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_fwd_pieces.py
         step cp_gpu 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_cp_gpu.py ;;

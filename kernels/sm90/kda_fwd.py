@@ -61,6 +61,19 @@ LOG_GATE_OPT_IN = "kda_fwd_loggate"
 #: 2,176 -> 1,792 B, stage 2 +128 B (kda_fwd.md, session 16's reading). Off until its GPU check and a split
 #: say it is right and faster: ``CULA_KDA_U_IN_RECUR=1`` (or ``--check --u-in-recur``) turns it on.
 U_IN_RECUR = __import__("os").environ.get("CULA_KDA_U_IN_RECUR", "0") == "1"
+#: Overlap (session 17, CPU-checked, not yet run on a GPU): stage 2 is launched first, on its own high-priority
+#: stream, with OVERLAP_CTAS persistent CTAs (one SM each), and walks its items head by head, each waiting for
+#: a per-head counter that stage 1's CTAs raise when their scratch is written; stage 1 runs meanwhile on the
+#: other SMs. Why: stage 2 on every SM is bandwidth-bound (~0.78 ms x 132 SMs at B2 T16384), on a few it is
+#: latency-bound at ~0.6 us a chunk (~39 SM-ms there), so the two can share the machine for less than they take
+#: one after the other (kda_fwd.md, session 17). ``CULA_KDA_OVERLAP=1`` turns it on;
+#: ``CULA_KDA_OVERLAP_CTAS`` sets stage 2's share (at most half the SMs: stage 1 must always have SMs to run on,
+#: or stage 2's CTAs would wait for it forever).
+OVERLAP = __import__("os").environ.get("CULA_KDA_OVERLAP", "0") == "1"
+OVERLAP_CTAS = int(__import__("os").environ.get("CULA_KDA_OVERLAP_CTAS", "24"))
+#: ...only where stage 1 is long (at least this many CTAs, ~16 waves): on a short one stage 2 would soon have the
+#: machine to itself with only OVERLAP_CTAS CTAs, slower than on every SM.
+OVERLAP_MIN_STAGE1_CTAS = int(__import__("os").environ.get("CULA_KDA_OVERLAP_MIN_CTAS", "4096"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -571,7 +584,13 @@ def kda_fwd(
     aqk_tp = torch.empty(HV, R, 2 * CHUNK if u_split else CHUNK, dtype=bf16, device=dev)  # Aqk (| T')
     aqk = aqk_tp[..., :CHUNK]
     kgt = torch.empty(HV, K, R, dtype=bf16, device=dev)
-    gam = torch.empty(HV, NC, K, dtype=torch.float32, device=dev)
+    # overlap: stage 1's per-head counters (int32 [HV], zeroed here) follow γ in the same buffer
+    overlap = (OVERLAP and kind == "tc" and recur.RECUR_VARIANT == "v2" and "intra" in stages and "recur" in stages
+               and NC * HV >= OVERLAP_MIN_STAGE1_CTAS and not identity_response and not _tc_diag())
+    gam_buf = torch.empty(HV * NC * K + (HV if overlap else 0), dtype=torch.float32, device=dev)
+    gam = gam_buf[:HV * NC * K].view(HV, NC, K)
+    if overlap:
+        gam_buf[HV * NC * K:].view(torch.int32).zero_()
     dummy = _dummy(dev)
     a_log = A_log.float().contiguous() if (use_gate_in_kernel and A_log is not None) else dummy
     dtb = dt_bias.float().contiguous() if (use_gate_in_kernel and dt_bias is not None) else dummy
@@ -591,6 +610,31 @@ def kda_fwd(
                     dtb.data_ptr(), chunks.data_ptr(), w.data_ptr(), (aqk_tp if u_split else u).data_ptr(),
                     qg.data_ptr(), aqk.data_ptr(),
                     kgt.data_ptr(), gam.data_ptr(), TT, H, HV, NC, scale, lb, stream)
+    o_dt = _cute_dtype(v.dtype)
+    variant, pf = recur.RECUR_VARIANT, recur.V2_H0_PREFETCH
+
+    def launch_recur(u_in, h_in, o_out, h_out, v_first: bool, pdl: bool, stream_handle: int,
+                     max_ctas: int | None = None) -> None:
+        rflags = dict(has_initial_state=h_in is not None, output_final_state=h_out is not None,
+                      state_v_first=v_first)
+        if overlap and max_ctas is not None:  # only set, so the keys of the other calls stay as before
+            rflags.update(wait_flags=True)
+        if u_split:  # only set, so the keys of the other calls stay as before (u_in is the input v)
+            rflags.update(t_in=True)
+        ssm = variant == "v2" and recur.use_state_smem(N, NC, h_in is not None or h_out is not None)
+        _launcher("recur", (tuple(sorted(rflags.items())), o_dt, variant, pf, pdl, ssm),
+                  lambda: recur.KdaFwdRecur(**rflags, variant=variant, h0_prefetch=pf, pdl=pdl, state_smem=ssm),
+                  _recur_specs(o_dt))(
+            w.data_ptr(), qg.data_ptr(), aqk.data_ptr(), kgt.data_ptr(), u_in.data_ptr(), gam.data_ptr(),
+            chunks.data_ptr(), seqs.data_ptr(), o_out.data_ptr(), (h_in if h_in is not None else dummy).data_ptr(),
+            (h_out if h_out is not None else dummy).data_ptr(), TT, HV, NC, N,
+            sm_count(dev) if max_ctas is None else max_ctas, stream_handle)
+
+    ov_streams = None
+    if overlap:  # stage 2 first, on its own stream: its CTAs take their SMs before stage 1 fills the rest
+        ov_streams = _fork_overlap(dev)
+        launch_recur(vf if u_split else u, h0, o, ht, bool(state_v_first), False, ov_streams[1].cuda_stream,
+                     max_ctas=max(1, min(OVERLAP_CTAS, sm_count(dev) // 2)))
     if "intra" in stages and kind == "tc":
         from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
@@ -604,6 +648,8 @@ def kda_fwd(
             tc_flags.update(emit_akk=True)
         if u_split:  # (pU, unused then, gets the Aqk buffer: valid memory for the descriptor it is given)
             tc_flags.update(t_out=True)
+        if overlap:
+            tc_flags.update(signal=True)
         if log_tc:
             tc_flags.update(log_gate=True, has_a_log=False, has_dt_bias=False)
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
@@ -623,22 +669,6 @@ def kda_fwd(
         _launcher("intra", (tuple(sorted(flags.items())), dts), lambda: intra.KdaFwdIntra(**flags),
                   _intra_specs(*dts))(*intra_values)
 
-    o_dt = _cute_dtype(v.dtype)
-    variant, pf = recur.RECUR_VARIANT, recur.V2_H0_PREFETCH
-
-    def launch_recur(u_in, h_in, o_out, h_out, v_first: bool, pdl: bool, stream_handle: int) -> None:
-        rflags = dict(has_initial_state=h_in is not None, output_final_state=h_out is not None,
-                      state_v_first=v_first)
-        if u_split:  # only set, so the keys of the other calls stay as before (u_in is the input v)
-            rflags.update(t_in=True)
-        ssm = variant == "v2" and recur.use_state_smem(N, NC, h_in is not None or h_out is not None)
-        _launcher("recur", (tuple(sorted(rflags.items())), o_dt, variant, pf, pdl, ssm),
-                  lambda: recur.KdaFwdRecur(**rflags, variant=variant, h0_prefetch=pf, pdl=pdl, state_smem=ssm),
-                  _recur_specs(o_dt))(
-            w.data_ptr(), qg.data_ptr(), aqk.data_ptr(), kgt.data_ptr(), u_in.data_ptr(), gam.data_ptr(),
-            chunks.data_ptr(), seqs.data_ptr(), o_out.data_ptr(), (h_in if h_in is not None else dummy).data_ptr(),
-            (h_out if h_out is not None else dummy).data_ptr(), TT, HV, NC, N, sm_count(dev), stream_handle)
-
     identity = None
     if identity_response and "recur" in stages:
         # Own buffers, allocated before the fork: the side stream only reads what stage 1 wrote.
@@ -652,9 +682,11 @@ def kda_fwd(
             u_zero.zero_()
             launch_recur(u_zero, eye, o_id, m_id, False, False, side.cuda_stream)
         identity = (o_id, m_id, side)
-    if "recur" in stages:
+    if "recur" in stages and not overlap:
         launch_recur(vf if u_split else u, h0, o, ht, bool(state_v_first),
                      recur.PDL and NC * HV <= recur.PDL_MAX_STAGE1_CTAS, stream)
+    if ov_streams is not None:  # stage 2's o / final state before anything later on this stream
+        _join_overlap(*ov_streams)
     out = o.reshape(B, T, HV, V)
     if identity is not None:
         o_id, m_id, side = identity
@@ -732,6 +764,25 @@ def _side_stream(dev: torch.device) -> "torch.cuda.Stream":
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _SIDE_STREAMS[index]
+
+
+_OVERLAP_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _fork_overlap(dev: torch.device):
+    """(current stream, stage 2's stream) for the overlap mode; the latter waits for the former's work so far
+    (the zeroed counters, the tables, the inputs). High priority, so that where both grids have CTAs waiting
+    the block scheduler takes stage 2's first."""
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index not in _OVERLAP_STREAMS:
+        _OVERLAP_STREAMS[index] = torch.cuda.Stream(device=index, priority=-1)
+    main, side = torch.cuda.current_stream(dev), _OVERLAP_STREAMS[index]
+    side.wait_stream(main)
+    return main, side
+
+
+def _join_overlap(main, side) -> None:
+    main.wait_stream(side)
 
 
 def _tc_diag() -> tuple:
