@@ -778,7 +778,7 @@ def test_host_path_overlap(monkeypatch, u_in_recur):
     assert rk.get("t_in", False) == u_in_recur and sk.get("t_out", False) == u_in_recur
     assert key2[4] is False  # no programmatic launch: stage 2 does not follow stage 1 on a stream
     assert v2[-1] == 5678 and v1[-1] == 1234  # its own stream; stage 1 on the caller's
-    assert v2[15] == min(kda_fwd.OVERLAP_CTAS, 132 // 2)
+    assert v2[15] == kda_fwd.overlap_ctas(5, v1[17], 2, 132)
     hv, nc = 2, v1[17]
     gam_buf = next(t for t in allocs if t.data_ptr() == v1[13])
     assert gam_buf.numel() == hv * nc * 128 + hv and v2[5] == v1[13]
@@ -794,6 +794,18 @@ def test_host_path_overlap(monkeypatch, u_in_recur):
     monkeypatch.setattr(kda_fwd, "OVERLAP_MIN_STAGE1_CTAS", 2 * nc + 1)
     kda_fwd.kda_fwd(*args, **kw)
     assert [c[0] for c in calls] == ["intra_tc", "recur"] and "signal" not in dict(calls[0][1][0]) and not events
+
+
+def test_overlap_ctas(monkeypatch):
+    """Stage 2's share in overlap mode follows the estimated SM-time of the two stages, within [4, SMs / 2] and
+    no more than its items; OVERLAP_CTAS overrides the estimate (within the same bounds)."""
+    monkeypatch.setattr(kda_fwd, "OVERLAP_CTAS", 0)
+    assert kda_fwd.overlap_ctas(2, 512, 64, 132) == 18  # B2 T16384 H64
+    assert 30 <= kda_fwd.overlap_ctas(20, 84, 64, 132) <= 45  # varlen n20 T4096 H64: short items cost more
+    assert kda_fwd.overlap_ctas(1, 4096, 1, 132) == 2  # only two items (V halves) to run
+    assert kda_fwd.overlap_ctas(2000, 2000, 64, 132) == 66  # at most half the SMs
+    monkeypatch.setattr(kda_fwd, "OVERLAP_CTAS", 24)
+    assert kda_fwd.overlap_ctas(2, 512, 64, 132) == 24 and kda_fwd.overlap_ctas(2, 512, 64, 40) == 20
 
 
 def test_overlap_item_orders_cover_every_item():

@@ -211,12 +211,14 @@ for s in $steps; do
         done ;;
     overlap)  # session 17: stage 2 alongside stage 1 (CULA_KDA_OVERLAP, CPU-compiled only): bitwise checks against the
         # sequential launch (large fixed / varlen cases and varlen-33, repeated, in a CUDA graph; ~8 compiles), then
-        # splits off / on at three stage-2 shares (the "both" column is the one that changes; <= 640 s in all:
-        # split it over two calls if the budget is short). A hang here is the counters' fault.
+        # splits off / on with stage 2's share estimated (kda_fwd.overlap_ctas), then at 16 and 36 CTAs (the "both"
+        # column is the one that changes; <= 640 s in all: two calls if the budget is short). A hang here is the
+        # counters' fault.
         step overlap_tests 360 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "overlap_equals_sequential and (big or varlen-33)"
         step overlap_split0 70 env CULA_KDA_OVERLAP=0 python3 -m cula.kernels.sm90.kda_fwd --check --split worst
-        for c in 16 24 36; do
+        step overlap_split_auto 70 env CULA_KDA_OVERLAP=1 python3 -m cula.kernels.sm90.kda_fwd --check --split worst
+        for c in 16 36; do
             step overlap_split_$c 70 env CULA_KDA_OVERLAP=1 CULA_KDA_OVERLAP_CTAS=$c python3 -m \
                 cula.kernels.sm90.kda_fwd --check --split worst
         done ;;

@@ -70,7 +70,7 @@ U_IN_RECUR = __import__("os").environ.get("CULA_KDA_U_IN_RECUR", "0") == "1"
 #: ``CULA_KDA_OVERLAP_CTAS`` sets stage 2's share (at most half the SMs: stage 1 must always have SMs to run on,
 #: or stage 2's CTAs would wait for it forever).
 OVERLAP = __import__("os").environ.get("CULA_KDA_OVERLAP", "0") == "1"
-OVERLAP_CTAS = int(__import__("os").environ.get("CULA_KDA_OVERLAP_CTAS", "24"))
+OVERLAP_CTAS = int(__import__("os").environ.get("CULA_KDA_OVERLAP_CTAS", "0"))  # 0: overlap_ctas() picks
 #: ...only where stage 1 is long (at least this many CTAs, ~16 waves): on a short one stage 2 would soon have the
 #: machine to itself with only OVERLAP_CTAS CTAs, slower than on every SM.
 OVERLAP_MIN_STAGE1_CTAS = int(__import__("os").environ.get("CULA_KDA_OVERLAP_MIN_CTAS", "4096"))
@@ -634,7 +634,7 @@ def kda_fwd(
     if overlap:  # stage 2 first, on its own stream: its CTAs take their SMs before stage 1 fills the rest
         ov_streams = _fork_overlap(dev)
         launch_recur(vf if u_split else u, h0, o, ht, bool(state_v_first), False, ov_streams[1].cuda_stream,
-                     max_ctas=max(1, min(OVERLAP_CTAS, sm_count(dev) // 2)))
+                     max_ctas=overlap_ctas(N, NC, HV, sm_count(dev)))
     if "intra" in stages and kind == "tc":
         from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
@@ -767,6 +767,22 @@ def _side_stream(dev: torch.device) -> "torch.cuda.Stream":
 
 
 _OVERLAP_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+#: SM-time per unit, from the H200 measurements (kda_fwd.md): a stage-1 CTA ~8 us of one SM (16 us at 2 per SM),
+#: a stage-2 chunk ~0.6 us when latency-bound, a stage-2 item's state in / out and turn-around ~4 us.
+SM_US_STAGE1_CTA, SM_US_STAGE2_CHUNK, SM_US_STAGE2_ITEM = 8.0, 0.6, 4.0
+
+
+def overlap_ctas(num_seqs: int, num_chunks: int, heads_v: int, sms: int) -> int:
+    """Stage 2's CTAs in overlap mode: ``OVERLAP_CTAS`` if set, else stage 2's share of the estimated SM-time
+    of both stages (B2 T16384 H64: 18 of 132; varlen n20 T4096: ~37), at least 4 and at most half the SMs
+    (stage 1 must keep SMs to run on)."""
+    if OVERLAP_CTAS > 0:
+        want = OVERLAP_CTAS
+    else:
+        s1 = num_chunks * heads_v * SM_US_STAGE1_CTA
+        s2 = 2 * heads_v * (num_chunks * SM_US_STAGE2_CHUNK + num_seqs * SM_US_STAGE2_ITEM)
+        want = round(sms * s2 / (s1 + s2))
+    return max(1, min(max(want, 4), sms // 2, 2 * heads_v * max(num_seqs, 1)))
 
 
 def _fork_overlap(dev: torch.device):
