@@ -310,7 +310,8 @@ def emulate_stages(q, k, v, g, beta, scale=None, initial_state=None, output_fina
     """Returns ``(o, final_state, scratch)``; ``scratch`` holds w, u, qg, aqk, kgt, gam as the kernels
     write them (``[HV, NC*64, ...]``), in ``dtype``; with ``u_in_recur`` (``U_IN_RECUR``'s scratch) -w for w,
     ``tp`` = T diag(β) ``[HV, NC*64, 64]`` for u, and ``v``, the chunk-padded input rows stage 2 reads.
-    With ``identity_response`` also ``o_I`` and ``M`` as :func:`kda_fwd` computes them (stage 2 again with ``u = 0`` from ``S0 = I``)."""
+    With ``identity_response`` also ``o_I`` and ``M`` as :func:`kda_fwd` computes them (stage 2 again with
+    ``u = 0`` from ``S0 = I``)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scale = K ** -0.5 if scale is None else scale
