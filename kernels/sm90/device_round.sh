@@ -209,6 +209,19 @@ for s in $steps; do
         for a in 0 1 0 1; do
             step u_split$a 70 env CULA_KDA_U_IN_RECUR=$a python3 -m cula.kernels.sm90.kda_fwd --check --split worst
         done ;;
+    s17_checks)  # session 17's two opt-in paths in one call (<= 560 s): u in stage 2 on four check cases (with
+        # state: partial chunks, zero-length segments, GVA, V-first), then the overlap mode bitwise against the
+        # sequential launch on the large fixed / varlen cases (both u forms, repeated, in a CUDA graph). Then s17_split.
+        step u_check 230 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --u-in-recur \
+            --cases tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-varlen-33
+        step overlap_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "overlap_equals_sequential and big" ;;
+    s17_split)  # session 17: the worst rows and B2 T16384 as they are, with u in stage 2, with the overlap mode, with
+        # both (<= 300 s; compiles are shared through the DSL's file cache after the first process)
+        for uo in 00 10 01 11; do
+            step s17_split_$uo 75 env CULA_KDA_U_IN_RECUR=${uo:0:1} CULA_KDA_OVERLAP=${uo:1:1} python3 -u -m \
+                cula.kernels.sm90.kda_fwd --check --split worst
+        done ;;
     overlap)  # session 17: stage 2 alongside stage 1 (CULA_KDA_OVERLAP, CPU-compiled only): bitwise checks against the
         # sequential launch (large fixed / varlen cases and varlen-33, repeated, in a CUDA graph; ~8 compiles), then
         # splits off / on with stage 2's share estimated (kda_fwd.overlap_ctas), then at 16 and 36 CTAs (the "both"
