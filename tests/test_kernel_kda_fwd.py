@@ -171,6 +171,7 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         assert rep.count("griddepcontrol.wait") == (1 if PDL and not overlap else 0)
         assert (rep.count("ld.acquire.gpu.global.u32") > 0) == overlap
         assert rep.count("nanosleep.u32") == rep.count("fence.proxy.async.global") == (1 if overlap else 0)
+        assert rep.count("trap;") == (1 if overlap else 0)  # a wait past FLAG_POLL_LIMIT fails instead of hanging
         # ptxas did not have to serialise any wgmma (registers of one in flight read too early)
         assert "C7517" not in rep.ptxas_log and "serialized" not in rep.ptxas_log
         # the mbarrier-init barrier only: no CTA barrier per chunk (the state buffer's are per item, among

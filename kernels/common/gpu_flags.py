@@ -61,3 +61,10 @@ def nanosleep(ns, *, loc=None, ip=None) -> None:
         loc=loc,
         ip=ip,
     )
+
+
+@dsl_user_op
+def trap(*, loc=None, ip=None) -> None:
+    """Abort the kernel (the launch fails with an error): for a wait that can only have gone wrong."""
+    llvm.inline_asm(None, [], "trap;", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)

@@ -33,7 +33,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
-from cula.kernels.common.gpu_flags import acquire_load, nanosleep
+from cula.kernels.common.gpu_flags import acquire_load, nanosleep, trap
 from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
 from cula.kernels.common.wgmma_frag import a_operand_layout
 
@@ -127,6 +127,9 @@ PDL_MAX_STAGE1_CTAS = int(__import__("os").environ.get("CULA_KDA_PDL_MAX_CTAS", 
 #: stage 2 being resident during stage 1's last wave; "end" and "none" matched PDL off (2.720 / 2.722).
 PDL_TRIGGER = __import__("os").environ.get("CULA_KDA_PDL_TRIGGER", "start")
 FLAG_POLL_NS = 256  # overlap mode: the TMA warp's back-off between two looks at a head's counter
+#: ...and how many looks before it gives up (trap: the launch fails) rather than hang: 2^25 x >= 256 ns is
+#: >= 8.6 s, far beyond any stage 1 (1M tokens x 64 heads is ~65 ms on an H200)
+FLAG_POLL_LIMIT = 1 << 25
 SMEM_PER_BLOCK = 232448  # H100/H200: the most dynamic shared memory one CTA may have (227 KB)
 
 
@@ -707,8 +710,12 @@ class KdaFwdRecur:
                     # overlap mode: stage 1 is still running; its CTAs of head hv are all done (and their
                     # writes visible) once the head's counter reaches the chunk count. Then the proxy fence
                     # orders what this warp acquired before its TMA (async proxy) reads of it.
+                    polls = cutlass.Int32(0)
                     while acquire_load(mFlags.iterator + hv) < mChunks.shape[0]:
                         nanosleep(FLAG_POLL_NS)
+                        polls += 1
+                        if polls > FLAG_POLL_LIMIT:  # ~10 s: the counters are wrong; fail instead of hanging
+                            trap()
                     cute.arch.sync_warp()
                     cute.arch.fence_proxy(cute.arch.ProxyKind.async_global)
                 gW = cute.local_tile(tW[None, None, hv], (CHUNK, DK), (None, 0))
