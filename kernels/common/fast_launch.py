@@ -62,11 +62,21 @@ def compile_args(specs: Sequence[ArgSpec]) -> list[Any]:
     return out
 
 
-def compile_launcher(fn: Any, specs: Sequence[ArgSpec], fast: bool = True) -> "Launcher":
-    """``cute.compile`` ``fn`` for ``specs`` and wrap the result in a :class:`Launcher`."""
+def compile_launcher(fn: Any, specs: Sequence[ArgSpec], fast: bool = True,
+                     aot_key: tuple | None = None) -> "Launcher":
+    """``cute.compile`` ``fn`` for ``specs`` and wrap the result in a :class:`Launcher`. With ``aot_key``
+    (``(kind, key)`` of the launch) a module compiled ahead of time is used instead where ``CULA_AOT_DIR`` has
+    one for the current sources (``cula.kernels.common.aot``)."""
     import cutlass.cute as cute
 
-    return Launcher(cute.compile(fn, *compile_args(specs)), specs, fast=fast)
+    compiled = None
+    if aot_key is not None:
+        from cula.kernels.common import aot
+
+        compiled = aot.find(*aot_key, specs)
+    if compiled is None:
+        compiled = cute.compile(fn, *compile_args(specs))
+    return Launcher(compiled, specs, fast=fast)
 
 
 def dsl_args(specs: Sequence[ArgSpec], values: Sequence[Any]) -> list[Any]:

@@ -23,6 +23,12 @@ step() {  # step NAME TIMEOUT CMD...
     return $rc
 }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
+# Kernels compiled ahead of time on the CPU (python3 -m cula.kernels.common.aot build .device/aot, after the last
+# commit): each launch whose module is there skips its ~40 s compile; a module that does not load is compiled.
+if [ -d .device/aot ] && [ -z "${CULA_AOT_DIR:-}" ]; then
+    export CULA_AOT_DIR=$PWD/.device/aot
+    echo "== aot: $(ls .device/aot | wc -l) modules in $CULA_AOT_DIR"
+fi
 for s in $steps; do
     case $s in
     decode)  # the decode host fast path (session 4, CPU-only so far): GPU tests, then decode_bench
@@ -209,12 +215,14 @@ for s in $steps; do
         for a in 0 1 0 1; do
             step u_split$a 70 env CULA_KDA_U_IN_RECUR=$a python3 -m cula.kernels.sm90.kda_fwd --check --split worst
         done ;;
-    s17_checks)  # session 17's two opt-in paths in one call (<= 560 s): u in stage 2 on four check cases (with
+    s17_checks)  # session 17's two opt-in paths in one call (<= 600 s cold, far less with .device/aot): the
+        # ahead-of-time loader's own check, then u in stage 2 on four check cases (with
         # state: partial chunks, zero-length segments, GVA, V-first), then the overlap mode bitwise against the
         # sequential launch on the large fixed / varlen cases (both u forms, repeated, in a CUDA graph). Then s17_split.
+        step aot_test 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_aot.py
         step u_check 230 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --u-in-recur \
             --cases tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-varlen-33
-        step overlap_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+        step overlap_tests 280 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "overlap_equals_sequential and big" ;;
     s17_split)  # session 17: the worst rows and B2 T16384 as they are, with u in stage 2, with the overlap mode, with
         # both (<= 300 s; compiles are shared through the DSL's file cache after the first process)

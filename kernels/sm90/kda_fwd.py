@@ -468,7 +468,7 @@ def _launcher(kind: str, key: tuple, make_kernel: Callable, specs: tuple):
     if hit is None:
         from cula.kernels.common.fast_launch import compile_launcher
 
-        hit = _LAUNCHERS[(kind, key)] = compile_launcher(make_kernel(), specs, fast=FAST_LAUNCH)
+        hit = _LAUNCHERS[(kind, key)] = compile_launcher(make_kernel(), specs, fast=FAST_LAUNCH, aot_key=(kind, key))
     return hit
 
 

@@ -1,0 +1,255 @@
+"""Ahead-of-time compiled CuTe DSL host functions: compiled where there is no GPU, loaded where there is.
+
+Each device process compiles every KDA flag set it launches (~40 s each): ``cute.compile`` never uses the DSL's
+file cache. The DSL does compile a whole module, cubin inside, without a driver when the environment's arch
+differs from the compile's (``CUTE_DSL_ARCH=sm_90`` with ``--gpu-arch=sm_90a``): only the host JIT, which needs
+the CUDA libraries, is skipped. :func:`save` writes such a module as MLIR bytecode with what the DSL needs to
+rebuild its compiled function (entry name, argument spec, kernel attributes); :func:`load`, on the GPU machine,
+parses it and runs the host JIT, which is what the DSL's own file cache does on a hit: no lowering, no ptxas.
+
+A file is named by the launch key and a fingerprint of the kernel sources and the DSL version
+(:func:`entry_name`), so an edited kernel never loads a stale module. :func:`find` is consulted only where
+``CULA_AOT_DIR`` is set, and a module that fails to load is compiled instead, with one warning.
+
+Build (on any machine, CPU only): ``python -m cula.kernels.common.aot build DIR [--scenarios a,b]`` records the
+launches of ``kda_fwd`` for the device steps' inputs and compiles each distinct one (``SCENARIOS``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import lzma
+import os
+import pickle
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+AOT_ENV = "CULA_AOT_DIR"
+HOST_ARCH_ENV = "sm_90"  # the environment's arch while compiling: differs from GPU_ARCH, so no host JIT
+GPU_ARCH = "sm_90a"
+SUFFIX = ".cuteaot.xz"
+
+
+@functools.lru_cache(maxsize=1)
+def source_fingerprint() -> str:
+    """sha256 of every kernel source (``cula.kernels``, ``*.py``) and of the DSL's compiler driver source (the
+    device's DSL is a repacked tree without package metadata; its Python sources equal the wheel's)."""
+    import cutlass.base_dsl.dsl as dsl_source
+
+    import cula.kernels
+
+    h = hashlib.sha256(Path(dsl_source.__file__).read_bytes())
+    root = Path(cula.kernels.__path__[0])
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _spec_key(specs: Sequence[Any]) -> tuple:
+    return tuple((s.kind, repr(s.dtype), s.align) for s in specs)
+
+
+def entry_name(kind: str, key: Any, specs: Sequence[Any]) -> str:
+    """File name of the module compiled for launch ``(kind, key)`` with argument ``specs`` from the current
+    kernel sources."""
+    h = hashlib.sha256(repr((kind, key, _spec_key(specs), source_fingerprint())).encode())
+    return f"{kind}-{h.hexdigest()[:24]}{SUFFIX}"
+
+
+def compile_for_export(fn: Any, specs: Sequence[Any]):
+    """``cute.compile`` for sm_90a without a host JIT. The process must have ``CUTE_DSL_ARCH`` set to
+    ``HOST_ARCH_ENV`` before ``cutlass`` was imported (:func:`main` does)."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import Compiler
+
+    from cula.kernels.common.fast_launch import compile_args
+
+    if os.environ.get("CUTE_DSL_ARCH") != HOST_ARCH_ENV:
+        raise RuntimeError(f"CUTE_DSL_ARCH: expected {HOST_ARCH_ENV} (set before cutlass is imported), "
+                           f"got {os.environ.get('CUTE_DSL_ARCH')!r}")
+    Compiler._check_cuda_dependencies_once = lambda *a, **k: None
+    from cula.kernels.sm90.kda_fwd_intra_tc import _compile_without_driver
+
+    _compile_without_driver()  # launch bounds ask the device's shared memory per SM: the H200's without one
+    return cute.compile(fn, *compile_args(specs), options=f"--gpu-arch={GPU_ARCH}")
+
+
+def save(path: str | os.PathLike, compiled: Any) -> int:
+    """Write ``compiled`` (a :func:`compile_for_export` result) to ``path``; returns the file's size."""
+    buf = io.BytesIO()
+    compiled.ir_module.operation.write_bytecode(buf)
+    args_spec = compiled.args_spec.args_spec if compiled.args_spec is not None else None
+    blob = dict(bytecode=buf.getvalue(), function_name=compiled.function_name, args_spec=args_spec,
+                kernel_info=compiled.kernel_info)
+    data = lzma.compress(pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL), preset=6)
+    Path(path).write_bytes(data)
+    return len(data)
+
+
+def read(path: str | os.PathLike) -> dict:
+    """The pickled parts of a saved module (bytecode, entry name, argument spec, kernel attributes)."""
+    return pickle.loads(lzma.decompress(Path(path).read_bytes()))
+
+
+def load(path: str | os.PathLike):
+    """The compiled host function saved at ``path``, ready to call (needs the GPU machine's CUDA libraries:
+    the host JIT resolves them)."""
+    from cutlass._mlir import ir
+    from cutlass.cutlass_dsl import CuTeDSL
+    from cutlass.cutlass_dsl.cuda_jit_executor import CudaDialectJitCompiledFunction
+
+    blob = read(path)
+    dsl = CuTeDSL._get_dsl()
+    with ir.Context():
+        module = ir.Module.parse(blob["bytecode"])
+    engine = dsl.compiler_provider.jit(module, shared_libs=dsl.get_shared_libs())
+    capi = engine.lookup(blob["function_name"])
+    return CudaDialectJitCompiledFunction(module, engine, capi, blob["args_spec"], blob["function_name"],
+                                          blob["kernel_info"], False, None)
+
+
+def find(kind: str, key: Any, specs: Sequence[Any]):
+    """The ahead-of-time module for this launch, if ``CULA_AOT_DIR`` holds one that loads; else None."""
+    root = os.environ.get(AOT_ENV)
+    if not root:
+        return None
+    path = Path(root) / entry_name(kind, key, specs)
+    if not path.exists():
+        return None
+    try:
+        return load(path)
+    except Exception as exc:  # noqa: BLE001 - compiled instead
+        warnings.warn(f"cula: ahead-of-time module {path.name} did not load ({type(exc).__name__}: {exc}); "
+                      "compiling it instead", RuntimeWarning, stacklevel=3)
+        return None
+
+
+# --------------------------------------------------------------------------------------------- build
+#: What the device steps launch (docs/DEVICE.md), as kda_fwd calls to record: name -> (case names of
+#: kda_fwd_check.CASES or "split" for its timing rows, module settings of kda_fwd to apply).
+SCENARIOS = {
+    "default": ("tc", {}),
+    "u_in_recur": ("tc", {"U_IN_RECUR": True}),
+    "overlap": ("big", {"OVERLAP": True, "OVERLAP_MIN_STAGE1_CTAS": 1}),
+    "overlap_u": ("big", {"OVERLAP": True, "OVERLAP_MIN_STAGE1_CTAS": 1, "U_IN_RECUR": True}),
+    # kda_fwd_check --split worst (suite flags, H64), each stage set, in the four modes s17_split times
+    "split": ("split", {}),
+    "split_u": ("split", {"U_IN_RECUR": True}),
+    "split_overlap": ("split", {"OVERLAP": True}),
+    "split_overlap_u": ("split", {"OVERLAP": True, "U_IN_RECUR": True}),
+}
+
+
+def _split_calls():
+    """``kda_fwd`` calls of ``kda_fwd_check.split`` on its ``worst`` rows, on the meta device: the launch keys
+    depend on shapes and flags only, so no memory is needed for the large rows."""
+    import torch
+
+    from cula.kernels.sm90 import kda_fwd_check as chk
+    from cula.suites.lengths import cu_seqlens_from_lengths, varlen_lengths
+
+    dev = torch.device("meta")
+    for shape in chk.SPLIT_WORST:
+        if isinstance(shape[0], str):
+            dist, n, T, H = shape
+            B, N = 1, n
+            cu = torch.tensor(cu_seqlens_from_lengths(varlen_lengths(dist, n, T)), dtype=torch.int32)
+        else:
+            (B, T, H), cu = shape, None
+            N = B
+        x = torch.empty(B, T, H, 128, device=dev, dtype=torch.bfloat16)
+        beta = torch.empty(B, T, H, device=dev, dtype=torch.bfloat16)
+        kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                  A_log=torch.empty(H, device=dev), dt_bias=torch.empty(H * 128, device=dev), lower_bound=-5.0,
+                  safe_gate=True, initial_state=torch.empty(N, H, 128, 128, device=dev), output_final_state=True,
+                  cu_seqlens=cu)
+        for stages in (("intra", "recur"), ("intra",), ("recur",)):
+            yield (x, x, x, x, beta), dict(kw, stages=stages)
+
+
+def record_launches(scenario: str) -> list[tuple]:
+    """``(kind, key, make_kernel, specs)`` of every distinct launch ``kda_fwd`` makes for a scenario, on the
+    CPU: the launcher, streams and device queries are replaced by recorders."""
+    import torch
+
+    import cula.kernels.common.fast_launch as fl
+    from cula.kernels.sm90 import kda_fwd
+    from cula.kernels.sm90 import kda_fwd_check as chk
+
+    which, settings = SCENARIOS[scenario]
+    seen: dict[tuple, tuple] = {}
+    saved = {n: getattr(kda_fwd, n) for n in ("_launcher", "sm_count", "_fork_overlap", "_join_overlap",
+                                              *settings)}
+    saved_fl, saved_dev = fl.current_stream_handle, torch.cuda.current_device
+
+    def launcher(kind, key, make_kernel, specs):
+        seen.setdefault((kind, key), (kind, key, make_kernel, specs))
+        return lambda *values: None
+
+    side = type("Side", (), {"cuda_stream": 0})()
+    try:
+        kda_fwd._launcher = launcher
+        kda_fwd.sm_count = lambda device: 132
+        kda_fwd._fork_overlap = lambda dev: (None, side)
+        kda_fwd._join_overlap = lambda main, s: None
+        fl.current_stream_handle = lambda index: 0
+        torch.cuda.current_device = lambda: 0
+        for name, value in settings.items():
+            setattr(kda_fwd, name, value)
+        if which == "split":
+            for args, kw in _split_calls():
+                kda_fwd.kda_fwd(*args, **kw)
+            return list(seen.values())
+        cases = [c for c in chk.CASES if c[0].startswith("tc-")] if which == "tc" else [
+            ("big", 1, 8192, 16, 16, None, dict(chk._TC, lower_bound=-5.0)),
+            ("big-varlen", 1, 8192, 16, 16, [0, 100, 4000, 8192], dict(chk._TC, lower_bound=-5.0))]
+        for case in cases:
+            args, kw = chk._inputs(*case, dev=torch.device("cpu"))
+            kda_fwd.kda_fwd(*args, **kw)
+            kda_fwd.kda_fwd(*args, **{**kw, "initial_state": None, "output_final_state": False})
+    finally:
+        for name, value in saved.items():
+            setattr(kda_fwd, name, value)
+        fl.current_stream_handle, torch.cuda.current_device = saved_fl, saved_dev
+    return list(seen.values())
+
+
+def build(out_dir: str, scenarios: Sequence[str]) -> list[tuple[str, int]]:
+    """Compile every distinct launch of ``scenarios`` into ``out_dir``; returns (file, bytes) per module."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    done: list[tuple[str, int]] = []
+    names: set[str] = set()
+    for scenario in scenarios:
+        for kind, key, make_kernel, specs in record_launches(scenario):
+            name = entry_name(kind, key, specs)
+            if name in names or (Path(out_dir) / name).exists():
+                names.add(name)
+                continue
+            names.add(name)
+            size = save(Path(out_dir) / name, compile_for_export(make_kernel(), specs))
+            done.append((name, size))
+            print(f"aot: {scenario} {name} {size / 2**20:.2f} MiB", flush=True)
+    return done
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] != "build":
+        print(__doc__)
+        return 2
+    scenarios = list(SCENARIOS)
+    if "--scenarios" in argv:
+        scenarios = argv[argv.index("--scenarios") + 1].split(",")
+    build(argv[1], scenarios)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    os.environ["CUTE_DSL_ARCH"] = HOST_ARCH_ENV  # before cutlass is imported: no host JIT
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,129 @@
+"""Ahead-of-time compiled kernels (``cula.kernels.common.aot``): built on the CPU, loaded on the GPU machine.
+
+CPU: a module compiles without a driver and round-trips through its file; names follow the launch key and the
+sources; without a GPU (or ``CULA_AOT_DIR``) nothing is loaded and the launch compiles as before. GPU: the
+loaded modules give the compiled path's outputs bit for bit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+from cula.kernels.common import aot
+
+pytest.importorskip("cutlass")
+
+
+def _build_child(out_dir: str, scenario: str, limit: int | None = None) -> subprocess.CompletedProcess:
+    """Record ``scenario``'s launches and compile the first ``limit`` of them in a fresh process (the DSL
+    takes its arch from the environment when ``cutlass`` is first imported)."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        os.environ["CUTE_DSL_ARCH"] = {aot.HOST_ARCH_ENV!r}
+        from cula.kernels.common import aot
+        launches = aot.record_launches({scenario!r})[:{limit!r}]
+        for kind, key, make_kernel, specs in launches:
+            name = aot.entry_name(kind, key, specs)
+            aot.save(os.path.join({out_dir!r}, name), aot.compile_for_export(make_kernel(), specs))
+            print("built", name, flush=True)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_entry_names_follow_the_launch():
+    from cula.kernels.common.fast_launch import ArgSpec
+
+    specs = (ArgSpec("ptr", None, 16), ArgSpec("i32"))
+    a = aot.entry_name("recur", (("x", 1),), specs)
+    assert a == aot.entry_name("recur", (("x", 1),), specs) and a.startswith("recur-") and a.endswith(aot.SUFFIX)
+    assert a != aot.entry_name("recur", (("x", 2),), specs)
+    assert a != aot.entry_name("intra_tc", (("x", 1),), specs)
+    assert a != aot.entry_name("recur", (("x", 1),), specs[:1])
+
+
+def test_scenarios_record_the_device_steps_launches():
+    """The recorded launches of a scenario are distinct and carry its module settings (u in stage 2: t_out /
+    t_in; overlap: signal / wait_flags)."""
+    u = aot.record_launches("u_in_recur")
+    assert len({(k, key) for k, key, _, _ in u}) == len(u) > 0
+    assert all(dict(key[0]).get("t_out" if k == "intra_tc" else "t_in") for k, key, _, _ in u)
+    ov = aot.record_launches("overlap")
+    assert {k for k, _, _, _ in ov} == {"intra_tc", "recur"}
+    assert all(dict(key[0]).get("signal" if k == "intra_tc" else "wait_flags") for k, key, _, _ in ov)
+
+
+def test_a_module_builds_without_a_gpu_and_round_trips(tmp_path, monkeypatch):
+    """The recurrence of the u-in-stage-2 scenario compiles for sm_90a on the CPU, and its file holds MLIR
+    bytecode that parses, the host entry's name and argument spec. Loading it needs the GPU machine's CUDA
+    libraries: on a machine without them find() warns and returns None (the launch then compiles)."""
+    proc = _build_child(str(tmp_path), "u_in_recur", limit=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = sorted(tmp_path.iterdir())
+    assert len(files) >= 1 and all(f.name.endswith(aot.SUFFIX) for f in files)
+    blob = aot.read(files[-1])
+    from cutlass._mlir import ir
+
+    with ir.Context():
+        module = ir.Module.parse(blob["bytecode"])
+    assert "gpu.binary" in str(module.operation)[:10 ** 7] or blob["kernel_info"]
+    assert blob["function_name"].startswith("cutlass___call___")
+    assert blob["args_spec"].args[:3] in (["self", "pW", "pQG"], ["pW", "pQG", "pAqk"],
+                                           ["self", "pQ", "pK"], ["pQ", "pK", "pV"])
+    if torch.cuda.is_available():
+        return  # the GPU test below loads them
+    kind = files[-1].name.split("-")[0]
+    launches = [x for x in aot.record_launches("u_in_recur") if aot.entry_name(x[0], x[1], x[3]) == files[-1].name]
+    assert len(launches) == 1 and launches[0][0] == kind
+    monkeypatch.delenv(aot.AOT_ENV, raising=False)
+    assert aot.find(*launches[0][:2], launches[0][3]) is None  # not asked for: nothing read
+    monkeypatch.setenv(aot.AOT_ENV, str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="did not load"):
+        assert aot.find(*launches[0][:2], launches[0][3]) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_aot_modules_equal_compiled_ones(tmp_path, monkeypatch):
+    """Modules built ahead of time (in a child process that cannot JIT, as on the CPU machine) load on the GPU
+    and give the freshly compiled kernels' o and final state bit for bit (tc-T1, default and u in stage 2); each
+    launch took its module (no compile)."""
+    from cula.kernels.sm90 import kda_fwd
+    from cula.kernels.sm90 import kda_fwd_check as chk
+
+    for scenario in ("default", "u_in_recur"):  # the first case's launches: stage 1, stage 2 with / without state
+        proc = _build_child(str(tmp_path), scenario, limit=3)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    dev = torch.device("cuda")
+    for u in (False, True):
+        monkeypatch.setattr(kda_fwd, "U_IN_RECUR", u)
+        for name in ("tc-T1",):
+            case = next(c for c in chk.CASES if c[0] == name)
+            args, kw = chk._inputs(*case, dev=dev)
+            monkeypatch.delenv(aot.AOT_ENV, raising=False)
+            kda_fwd._LAUNCHERS.clear()
+            o_ref, ht_ref = kda_fwd.kda_fwd(*args, **kw)
+            monkeypatch.setenv(aot.AOT_ENV, str(tmp_path))
+            kda_fwd._LAUNCHERS.clear()
+            loaded = []
+            real_find = aot.find
+
+            def find(kind, key, specs):
+                got = real_find(kind, key, specs)
+                loaded.append(got is not None)
+                return got
+
+            monkeypatch.setattr(aot, "find", find)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)
+                o, ht = kda_fwd.kda_fwd(*args, **kw)
+            torch.cuda.synchronize()
+            monkeypatch.setattr(aot, "find", real_find)
+            assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+            assert loaded and all(loaded), (name, u, loaded)
