@@ -142,7 +142,32 @@ SCENARIOS = {
     "split_u": ("split", {"U_IN_RECUR": True}),
     "split_overlap": ("split", {"OVERLAP": True}),
     "split_overlap_u": ("split", {"OVERLAP": True, "U_IN_RECUR": True}),
+    # the kda and kda_layer benchmark suites as cula.bench builds their inputs (default modes)
+    "suites": ("suites", {}),
 }
+
+
+def _suite_calls():
+    """``kda_fwd`` calls of the ``kda`` and ``kda_layer`` suites' configs (their inputs' shapes and dtypes as
+    ``cula.bench.inputs`` makes them), on the meta device."""
+    import torch
+
+    from cula.suites import cu_seqlens_from_lengths, load_suite
+
+    dev, bf16 = torch.device("meta"), torch.bfloat16
+    for name in ("kda", "kda_layer"):
+        for cfg in load_suite(name).configs:
+            B, T, H, HV = cfg.B, cfg.T, cfg.H, cfg.HV
+            flags = dict(cfg.flag_dict)
+            kw = dict(flags, initial_state=torch.empty(cfg.num_seqs, HV, 128, 128, device=dev) if cfg.state else None,
+                      output_final_state=bool(cfg.state))
+            if flags.get("use_gate_in_kernel"):
+                kw.update(A_log=torch.empty(HV, device=dev), dt_bias=torch.empty(HV * 128, device=dev))
+            if cfg.mode == "varlen":
+                kw["cu_seqlens"] = torch.tensor(cu_seqlens_from_lengths(list(cfg.lengths)), dtype=torch.int64)
+            qk = torch.empty(B, T, H, 128, device=dev, dtype=bf16)
+            v = torch.empty(B, T, HV, 128, device=dev, dtype=bf16)
+            yield (qk, qk, v, v, torch.empty(B, T, HV, device=dev, dtype=bf16)), kw
 
 
 def _split_calls():
@@ -201,8 +226,8 @@ def record_launches(scenario: str) -> list[tuple]:
         torch.cuda.current_device = lambda: 0
         for name, value in settings.items():
             setattr(kda_fwd, name, value)
-        if which == "split":
-            for args, kw in _split_calls():
+        if which in ("split", "suites"):
+            for args, kw in (_split_calls() if which == "split" else _suite_calls()):
                 kda_fwd.kda_fwd(*args, **kw)
             return list(seen.values())
         cases = [c for c in chk.CASES if c[0].startswith("tc-")] if which == "tc" else [
