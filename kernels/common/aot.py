@@ -83,7 +83,8 @@ def save(path: str | os.PathLike, compiled: Any) -> int:
     """Write ``compiled`` (a :func:`compile_for_export` result) to ``path``; returns the file's size."""
     buf = io.BytesIO()
     compiled.ir_module.operation.write_bytecode(buf)
-    args_spec = compiled.args_spec.args_spec if compiled.args_spec is not None else None
+    # the signature as the DSL got it (ExecutionArgs filters it again when the function is rebuilt)
+    args_spec = compiled.args_spec.original_args_spec if compiled.args_spec is not None else None
     blob = dict(bytecode=buf.getvalue(), function_name=compiled.function_name, args_spec=args_spec,
                 kernel_info=compiled.kernel_info)
     data = lzma.compress(pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL), preset=6)
