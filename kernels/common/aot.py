@@ -145,18 +145,53 @@ SCENARIOS = {
     "split_overlap_u": ("split", {"OVERLAP": True, "U_IN_RECUR": True}),
     # the kda and kda_layer benchmark suites as cula.bench builds their inputs (default modes)
     "suites": ("suites", {}),
+    # every check case (the SIMT stage 1's too: device_round next / tc_gpu run them through pytest)
+    "checks": ("all", {}),
+    # the training path: kda_fwd(fla_factors=True) for the kda_train suite and the check cases it serves
+    "train": ("train", {}),
 }
 
 
-def _suite_calls():
-    """``kda_fwd`` calls of the ``kda`` and ``kda_layer`` suites' configs (their inputs' shapes and dtypes as
-    ``cula.bench.inputs`` makes them), on the meta device."""
+#: tests/test_kda_train.py's GPU cases: (B, T, H, HV, cu_seqlens, lower_bound, beta sigmoid, h0, V-first, gate)
+TRAIN_TEST_CASES = (
+    (2, 200, 2, 2, None, -5.0, True, True, False, "kernel"),
+    (1, 300, 1, 2, [0, 0, 1, 64, 65, 300], -5.0, True, True, True, "kernel"),
+    (1, 1000, 2, 2, [0, 333, 1000], None, False, False, False, "kernel"),
+    (1, 63, 1, 2, None, -1.0, True, False, False, "kernel"),
+    (1, 200, 2, 2, [0, 70, 200], -5.0, True, True, False, "log"),
+)
+
+
+def _train_test_calls():
+    """``kda_fwd(fla_factors=True)`` as ``cula.kda._train`` calls it for the training GPU tests' cases."""
+    import torch
+
+    dev = torch.device("meta")
+    for B, T, H, HV, cu, lb, sigmoid, h0, v_first, gate in TRAIN_TEST_CASES:
+        N = B if cu is None else len(cu) - 1
+        qk = torch.empty(B, T, H, 128, device=dev, dtype=torch.bfloat16)
+        v = torch.empty(B, T, HV, 128, device=dev, dtype=torch.bfloat16)
+        g = torch.empty(B, T, HV, 128, device=dev, dtype=torch.float32 if gate == "log" else torch.bfloat16)
+        kernel_gate = gate == "kernel"
+        kw = dict(scale=128 ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  use_gate_in_kernel=kernel_gate, use_beta_sigmoid_in_kernel=sigmoid,
+                  A_log=torch.empty(HV, device=dev) if kernel_gate else None,
+                  dt_bias=torch.empty(HV * 128, device=dev) if kernel_gate else None,
+                  safe_gate=lb is not None or gate == "log", lower_bound=lb, state_v_first=v_first,
+                  initial_state=torch.empty(N, HV, 128, 128, device=dev) if h0 else None,
+                  cu_seqlens=None if cu is None else torch.tensor(cu), fla_factors=True)
+        yield (qk, qk, v, g, torch.empty(B, T, HV, device=dev, dtype=torch.bfloat16)), kw
+
+
+def _suite_calls(names=("kda", "kda_layer"), **extra):
+    """``kda_fwd`` calls of the suites' configs (their inputs' shapes and dtypes as ``cula.bench.inputs``
+    makes them), on the meta device; ``extra`` goes to every call."""
     import torch
 
     from cula.suites import cu_seqlens_from_lengths, load_suite
 
     dev, bf16 = torch.device("meta"), torch.bfloat16
-    for name in ("kda", "kda_layer"):
+    for name in names:
         for cfg in load_suite(name).configs:
             B, T, H, HV = cfg.B, cfg.T, cfg.H, cfg.HV
             flags = dict(cfg.flag_dict)
@@ -168,7 +203,7 @@ def _suite_calls():
                 kw["cu_seqlens"] = torch.tensor(cu_seqlens_from_lengths(list(cfg.lengths)), dtype=torch.int64)
             qk = torch.empty(B, T, H, 128, device=dev, dtype=bf16)
             v = torch.empty(B, T, HV, 128, device=dev, dtype=bf16)
-            yield (qk, qk, v, v, torch.empty(B, T, HV, device=dev, dtype=bf16)), kw
+            yield (qk, qk, v, v, torch.empty(B, T, HV, device=dev, dtype=bf16)), dict(kw, **extra)
 
 
 def _split_calls():
@@ -227,11 +262,16 @@ def record_launches(scenario: str) -> list[tuple]:
         torch.cuda.current_device = lambda: 0
         for name, value in settings.items():
             setattr(kda_fwd, name, value)
-        if which in ("split", "suites"):
-            for args, kw in (_split_calls() if which == "split" else _suite_calls()):
+        if which in ("split", "suites", "train"):
+            calls = {"split": _split_calls, "suites": _suite_calls,
+                     "train": lambda: _suite_calls(("kda_train",), fla_factors=True)}[which]()
+            for args, kw in calls:
                 kda_fwd.kda_fwd(*args, **kw)
+            if which == "train":
+                for args, kw in _train_test_calls():
+                    kda_fwd.kda_fwd(*args, **kw)
             return list(seen.values())
-        cases = [c for c in chk.CASES if c[0].startswith("tc-")] if which == "tc" else [
+        cases = [c for c in chk.CASES if c[0].startswith("tc-") or which == "all"] if which in ("tc", "all") else [
             ("big", 1, 8192, 16, 16, None, dict(chk._TC, lower_bound=-5.0)),
             ("big-varlen", 1, 8192, 16, 16, [0, 100, 4000, 8192], dict(chk._TC, lower_bound=-5.0))]
         for case in cases:
