@@ -55,13 +55,15 @@ SIMT_OPT_IN = "kda_fwd_simt"
 #: takes them either way).
 LOG_GATE_VALIDATED = False
 LOG_GATE_OPT_IN = "kda_fwd_loggate"
-#: "u in stage 2" (session 17, CPU-checked, not yet run on a GPU): with the tensor-core stage 1, stage 1 stops
-#: reading v and writing u and stores T' = bf16(T diag β) beside Aqk (and -w for w); stage 2 loads v by TMA
-#: and forms v_newᵀ = vᵀ T'ᵀ + Sᵀ(-w)ᵀ in one accumulator. Counted traffic per token and value head: stage 1
-#: 2,176 -> 1,792 B, stage 2 +128 B (kda_fwd.md, session 16's reading). Off until its GPU check and a split
-#: say it is right and faster: ``CULA_KDA_U_IN_RECUR=1`` (or ``--check --u-in-recur``) turns it on.
-U_IN_RECUR = __import__("os").environ.get("CULA_KDA_U_IN_RECUR", "0") == "1"
-#: Overlap (session 17, CPU-checked, not yet run on a GPU): stage 2 is launched first, on its own high-priority
+#: "u in stage 2" (session 17): with the tensor-core stage 1, stage 1 stops reading v and writing u and stores
+#: T' = bf16(T diag β) beside Aqk (and -w for w); stage 2 loads v by TMA and forms v_newᵀ = vᵀ T'ᵀ + Sᵀ(-w)ᵀ in
+#: one accumulator. Counted traffic per token and value head: stage 1 2,176 -> 1,792 B, stage 2 +128 B. On by
+#: default since its H200 run (session 17): the 15 GPU tests of tests/test_kernel_kda_fwd.py -k u_in_recur pass,
+#: and --split worst gave B2 T16384 H64 2.705 -> 2.612 ms (stage 1 1.988 -> 1.835), varlen n20 T4096 -3.2 to
+#: -3.9%. ``CULA_KDA_U_IN_RECUR=0`` turns it off for A/B runs.
+U_IN_RECUR = __import__("os").environ.get("CULA_KDA_U_IN_RECUR", "1") == "1"
+#: Overlap (session 17; on the H200 correct, bitwise equal to the sequential launch, but slower: --split worst
+#: B2 T16384 2.705 -> 5.289 ms, n20 T4096 rows +12-19%, so off): stage 2 is launched first, on its own high-priority
 #: stream, with OVERLAP_CTAS persistent CTAs (one SM each), and walks its items head by head, each waiting for
 #: a per-head counter that stage 1's CTAs raise when their scratch is written; stage 1 runs meanwhile on the
 #: other SMs. Why: stage 2 on every SM is bandwidth-bound (~0.78 ms x 132 SMs at B2 T16384), on a few it is
