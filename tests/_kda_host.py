@@ -24,3 +24,17 @@ def record_kda_launches(monkeypatch) -> list[tuple]:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(kda_fwd, "sm_count", lambda device: 132)
     return calls
+
+
+def record_allocations(monkeypatch) -> list:
+    """Make ``torch.empty`` remember every tensor it returns (the kda_fwd host path's buffers)."""
+    allocs: list = []
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        allocs.append(t)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+    return allocs

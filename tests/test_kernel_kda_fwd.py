@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _kda_host import record_kda_launches
+from _kda_host import record_allocations, record_kda_launches
 from cula.kernels.sm90 import kda_fwd
 from cula.ref import kda as ref
 
@@ -711,15 +711,7 @@ def test_host_path_u_in_recur(monkeypatch, cu):
     pytest.importorskip("cutlass")
     calls = record_kda_launches(monkeypatch)
     monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
-    allocs = []
-    real_empty = torch.empty
-
-    def empty(*shape, **kw):
-        t = real_empty(*shape, **kw)
-        allocs.append(t)
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
+    allocs = record_allocations(monkeypatch)
     flags = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                  lower_bound=-5.0, safe_gate=True)
     B, T = (1, 200) if cu is not None else (2, 70)
@@ -758,15 +750,7 @@ def test_host_path_overlap(monkeypatch, u_in_recur):
     events = []
     monkeypatch.setattr(kda_fwd, "_fork_overlap", lambda dev: events.append("fork") or ("main", side))
     monkeypatch.setattr(kda_fwd, "_join_overlap", lambda main, s: events.append(("join", main, s)))
-    allocs = []
-    real_empty = torch.empty
-
-    def empty(*shape, **kw):
-        t = real_empty(*shape, **kw)
-        allocs.append(t)
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
+    allocs = record_allocations(monkeypatch)
     flags = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                  lower_bound=-5.0, safe_gate=True)
     args, kw = _case(1, 200, 2, 2, [0, 0, 1, 64, 65, 200], seed=1, **flags)

@@ -9,62 +9,34 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
+
+from cula.kernels.common.inline_ptx import ptx
 
 
 @dsl_user_op
 def release_add(ptr: cute.Pointer, value, *, loc=None, ip=None) -> None:
     """``*ptr += value`` (u32 in global memory) with release semantics at GPU scope: this thread's earlier
     writes, and those it has observed (through a CTA barrier), are visible to whoever acquires the sum."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
-        "red.release.gpu.global.add.u32 [$0], $1;",
-        "l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    ptx(None, [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
+        "red.release.gpu.global.add.u32 [$0], $1;", "l,r", loc=loc, ip=ip)
 
 
 @dsl_user_op
 def acquire_load(ptr: cute.Pointer, *, loc=None, ip=None) -> cutlass.Int32:
     """The u32 at global ``ptr``, loaded with acquire semantics at GPU scope (never from a stale line)."""
-    return cutlass.Int32(llvm.inline_asm(
-        cutlass.Int32.mlir_type,
-        [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
-        "ld.acquire.gpu.global.u32 $0, [$1];",
-        "=r,l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    ))
+    return cutlass.Int32(ptx(cutlass.Int32.mlir_type, [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
+                             "ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", loc=loc, ip=ip))
 
 
 @dsl_user_op
 def nanosleep(ns, *, loc=None, ip=None) -> None:
     """Suspend the warp for about ``ns`` nanoseconds (a polling loop's back-off: leaves issue slots to the
     other warps of the SM)."""
-    llvm.inline_asm(
-        None,
-        [cutlass.Int32(ns).ir_value(loc=loc, ip=ip)],
-        "nanosleep.u32 $0;",
-        "r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    ptx(None, [cutlass.Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r", loc=loc, ip=ip)
 
 
 @dsl_user_op
 def trap(*, loc=None, ip=None) -> None:
     """Abort the kernel (the launch fails with an error): for a wait that can only have gone wrong."""
-    llvm.inline_asm(None, [], "trap;", "", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    ptx(None, [], "trap;", "", loc=loc, ip=ip)

@@ -8,8 +8,9 @@ the CTA's own tensor copies), so the later load hits L2 instead of waiting on DR
 from __future__ import annotations
 
 import cutlass.cute as cute
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
+
+from cula.kernels.common.inline_ptx import ptx
 
 LINE_BYTES = 128  # what one prefetch moves: the L2 line holding the address
 
@@ -17,14 +18,4 @@ LINE_BYTES = 128  # what one prefetch moves: the L2 line holding the address
 @dsl_user_op
 def prefetch_line_l2(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
     """Prefetch the 128-byte line holding global address ``ptr`` into L2 (fire and forget)."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
-        "prefetch.global.L2 [$0];",
-        "l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    ptx(None, [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l", loc=loc, ip=ip)

@@ -576,9 +576,10 @@ def kda_fwd(
     R = NC * CHUNK
     bf16 = torch.bfloat16
     kind = intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, safe_gate)
+    # the tensor-core stage 1 and the v2 recurrence, without the paths that run the default stages
+    tc_v2 = kind == "tc" and recur.RECUR_VARIANT == "v2" and not identity_response and not _tc_diag()
     # u in stage 2 (U_IN_RECUR): the Aqk rows get T' beside them, w is stored negated, u is not formed
-    u_split = (U_IN_RECUR and kind == "tc" and recur.RECUR_VARIANT == "v2" and not identity_response
-               and not fla_factors and not _tc_diag())
+    u_split = U_IN_RECUR and tc_v2 and not fla_factors
     w = torch.empty(HV, R, K, dtype=bf16, device=dev)
     u = None if u_split else torch.empty(HV, R, V, dtype=bf16, device=dev)
     # with fla_factors stage 1 writes bf16(T) right after qg in the same buffer (kda_fwd_intra_tc.emit_akk)
@@ -588,8 +589,8 @@ def kda_fwd(
     aqk = aqk_tp[..., :CHUNK]
     kgt = torch.empty(HV, K, R, dtype=bf16, device=dev)
     # overlap: stage 1's per-head counters (int32 [HV], zeroed here) follow γ in the same buffer
-    overlap = (OVERLAP and kind == "tc" and recur.RECUR_VARIANT == "v2" and "intra" in stages and "recur" in stages
-               and NC * HV >= OVERLAP_MIN_STAGE1_CTAS and not identity_response and not _tc_diag())
+    overlap = (OVERLAP and tc_v2 and "intra" in stages and "recur" in stages
+               and NC * HV >= OVERLAP_MIN_STAGE1_CTAS)
     gam_buf = torch.empty(HV * NC * K + (HV if overlap else 0), dtype=torch.float32, device=dev)
     gam = gam_buf[:HV * NC * K].view(HV, NC, K)
     if overlap:
