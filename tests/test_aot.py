@@ -57,6 +57,12 @@ def test_scenarios_record_the_device_steps_launches():
     ov = aot.record_launches("overlap")
     assert {k for k, _, _, _ in ov} == {"intra_tc", "recur"}
     assert all(dict(key[0]).get("signal" if k == "intra_tc" else "wait_flags") for k, key, _, _ in ov)
+    # diag_split's modules: the default stage 1 (t_out) with the one diagnostic, the module setting restored
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+
+    dg = [key for k, key, _, _ in aot.record_launches("diag_no_wu_store") if k == "intra_tc"]
+    assert dg and all(dict(key[0])["diag"] == ("no_wu_store",) and dict(key[0])["t_out"] for key in dg)
+    assert intra_tc.DIAG == ()
 
 
 def test_a_module_builds_without_a_gpu_and_round_trips(tmp_path, monkeypatch):

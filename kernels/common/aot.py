@@ -149,6 +149,9 @@ SCENARIOS = {
     "checks": ("all", {}),
     # the training path: kda_fwd(fla_factors=True) for the kda_train suite and the check cases it serves
     "train": ("train", {}),
+    # device_round diag_split: the split rows with each of stage 1's timing diagnostics (kda_fwd_intra_tc.DIAG)
+    **{f"diag_{d}": ("split", {"intra_tc.DIAG": (d,)})
+       for d in ("no_wu_store", "no_qg_kgt", "no_aqk_store", "l2_loads", "no_inverse")},
 }
 
 
@@ -242,10 +245,17 @@ def record_launches(scenario: str) -> list[tuple]:
     from cula.kernels.sm90 import kda_fwd
     from cula.kernels.sm90 import kda_fwd_check as chk
 
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+
     which, settings = SCENARIOS[scenario]
     seen: dict[tuple, tuple] = {}
-    saved = {n: getattr(kda_fwd, n) for n in ("_launcher", "sm_count", "_fork_overlap", "_join_overlap",
-                                              *settings)}
+    modules = {"intra_tc": intra_tc}
+
+    def owner(name: str) -> tuple[Any, str]:  # "X" is kda_fwd's, "intra_tc.X" the stage-1 module's
+        mod, _, attr = name.rpartition(".")
+        return modules.get(mod, kda_fwd), attr
+
+    saved = {n: getattr(*owner(n)) for n in ("_launcher", "sm_count", "_fork_overlap", "_join_overlap", *settings)}
     saved_fl, saved_dev = fl.current_stream_handle, torch.cuda.current_device
 
     def launcher(kind, key, make_kernel, specs):
@@ -261,7 +271,7 @@ def record_launches(scenario: str) -> list[tuple]:
         fl.current_stream_handle = lambda index: 0
         torch.cuda.current_device = lambda: 0
         for name, value in settings.items():
-            setattr(kda_fwd, name, value)
+            setattr(*owner(name), value)
         if which in ("split", "suites", "train"):
             calls = {"split": _split_calls, "suites": _suite_calls,
                      "train": lambda: _suite_calls(("kda_train",), fla_factors=True)}[which]()
@@ -280,7 +290,7 @@ def record_launches(scenario: str) -> list[tuple]:
             kda_fwd.kda_fwd(*args, **{**kw, "initial_state": None, "output_final_state": False})
     finally:
         for name, value in saved.items():
-            setattr(kda_fwd, name, value)
+            setattr(*owner(name), value)
         fl.current_stream_handle, torch.cuda.current_device = saved_fl, saved_dev
     return list(seen.values())
 

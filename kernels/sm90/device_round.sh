@@ -195,10 +195,9 @@ for s in $steps; do
                 --split items
         done ;;
     diag_split)  # session 15: what part of stage 1's time is memory (CULA_KDA_TC_DIAG: outputs wrong, timing only):
-        # one split per diagnostic against none (each a new compile: ~40 s), none again at the end
-        # (most telling first: the stores, then no_v_u, session 16's "u in stage 2" stage 1, in case the
-        # call runs out before the end)
-        for d in none no_wu_store no_qg_kgt no_v_u l2_loads no_aqk_store no_inverse none; do
+        # one split per diagnostic against none, none again at the end, on the default (u in stage 2's stage 1;
+        # each diagnostic is a module of .device/aot: scenarios diag_*); most telling first: the stores
+        for d in none no_wu_store no_qg_kgt no_aqk_store l2_loads no_inverse none; do
             dv=$d; [ "$d" = none ] && dv=""
             step diag_split_$d 100 env CULA_KDA_TC_DIAG=$dv python3 -u -m cula.kernels.sm90.kda_fwd --check \
                 --split worst

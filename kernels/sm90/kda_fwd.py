@@ -576,8 +576,9 @@ def kda_fwd(
     R = NC * CHUNK
     bf16 = torch.bfloat16
     kind = intra_kind(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, safe_gate)
-    # the tensor-core stage 1 and the v2 recurrence, without the paths that run the default stages
-    tc_v2 = kind == "tc" and recur.RECUR_VARIANT == "v2" and not identity_response and not _tc_diag()
+    # the tensor-core stage 1 and the v2 recurrence, without the path that runs the default stages (stage 1's
+    # timing diagnostics, CULA_KDA_TC_DIAG, time whatever the default is: since session 18 u in stage 2's)
+    tc_v2 = kind == "tc" and recur.RECUR_VARIANT == "v2" and not identity_response
     # u in stage 2 (U_IN_RECUR): the Aqk rows get T' beside them, w is stored negated, u is not formed
     u_split = U_IN_RECUR and tc_v2 and not fla_factors
     w = torch.empty(HV, R, K, dtype=bf16, device=dev)
@@ -825,13 +826,6 @@ def _fork_overlap(dev: torch.device):
 
 def _join_overlap(main, side) -> None:
     main.wait_stream(side)
-
-
-def _tc_diag() -> tuple:
-    """Stage 1's timing diagnostics (``CULA_KDA_TC_DIAG``): they time the default stages."""
-    from cula.kernels.sm90.kda_fwd_intra_tc import DIAG
-
-    return DIAG
 
 
 def intra_kind(use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_bound: float | None,

@@ -100,14 +100,15 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: also won over the bulk one in stage 2, session 8). ``CULA_KDA_TC_PREFETCH`` sets it for A/B runs.
 PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
 #: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
-#: kda_fwd warns): which part of stage 1's time is memory. ``l2_loads``: every CTA reads its head's first
-#: rows (L2 hits instead of DRAM); ``no_qg_kgt`` / ``no_wu_store`` / ``no_aqk_store``: those stores sit
-#: under a condition that is false at run time but opaque to the compiler (``scale < 0``; ``nvalid < 0``
+#: kda_fwd warns): which part of stage 1's time is memory. They apply to whichever stage 1 is the default
+#: (since session 18 u in stage 2's, ``t_out``). ``l2_loads``: every CTA reads its head's first rows (L2 hits
+#: instead of DRAM); ``no_qg_kgt`` / ``no_wu_store`` / ``no_aqk_store`` (T' too with ``t_out``): those stores
+#: sit under a condition that is false at run time but opaque to the compiler (``scale < 0``; ``nvalid < 0``
 #: was folded away, the values with it), so the values are still formed; ``no_inverse``: phase 4 is
-#: skipped the same way; ``no_v_u``: stage 1 as it would be with u = T' v formed in stage 2 instead (no v
-#: loads, prefetches or tile, no u product or store: removed at compile time, as that variant would; the
-#: 8 KB T' store it would add is not there; kda_fwd.md, session 16's reading). A split per option against
-#: none says what each costs.
+#: skipped the same way; ``no_v_u``: without ``t_out``, stage 1 as it would be with u = T' v formed in stage 2
+#: (no v loads, prefetches or tile, no u product or store: removed at compile time; the T' store missing;
+#: kda_fwd.md, session 16's reading; a no-op with ``t_out``). A split per option against none says what
+#: each costs.
 DIAG_OPTIONS = ("l2_loads", "no_qg_kgt", "no_wu_store", "no_aqk_store", "no_inverse", "no_v_u")
 DIAG = tuple(x for x in __import__("os").environ.get("CULA_KDA_TC_DIAG", "").split(",") if x)
 SPLIT_PASSES = ((0, 0), (0, 1), (1, 0))  # (A part, B part) of each pass, 0 = hi, 1 = lo: lo·lo is dropped
@@ -826,7 +827,11 @@ class KdaFwdIntraTC:
                 tTs, tTg = cpasync.tma_partition(tma_aqk, 0, one, cute.group_modes(sTp, 0, 2),
                                                  cute.group_modes(gTp, 0, 2))
                 if lane == 0:
-                    cute.copy(tma_aqk, tTs[None, 0], tTg[None, chunk])
+                    if cutlass.const_expr("no_aqk_store" in self.diag):
+                        if scale < F32(0.0):  # never (timing only)
+                            cute.copy(tma_aqk, tTs[None, 0], tTg[None, chunk])
+                    else:
+                        cute.copy(tma_aqk, tTs[None, 0], tTg[None, chunk])
                     cute.arch.cp_async_bulk_commit_group()
 
         # ====================================================== phase 5: w = T' X, u = T' v (wgmma)
@@ -1217,6 +1222,9 @@ def compile_targets():
         # stage 2 at the same time (kda_fwd.OVERLAP): each CTA raises its head's counter when done
         "signal": build(cutlass.BFloat16, **full, signal=True),
         "signal_t_out": build(cutlass.BFloat16, **full, signal=True, t_out=True),
+        # the timing diagnostics on the default stage 1 (device_round diag_split)
+        "t_out_diag_all": build(cutlass.BFloat16, **full, t_out=True,
+                                diag=tuple(d for d in DIAG_OPTIONS if d != "no_v_u")),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
         "log_gate": build(cutlass.Float32, **{**full, "has_a_log": False, "has_dt_bias": False}, log_gate=True),
     }
