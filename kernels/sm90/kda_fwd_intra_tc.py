@@ -871,7 +871,8 @@ class KdaFwdIntraTC:
                 if cutlass.const_expr("no_wu_store" in self.diag):
                     if scale < F32(0.0):  # never (timing only)
                         cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
-                        cute.copy(tma_u, tUs[None, 0], tUg[None, chunk])
+                        if cutlass.const_expr(not self.skip_vu):
+                            cute.copy(tma_u, tUs[None, 0], tUg[None, chunk])
                 elif cutlass.const_expr(self.skip_vu):
                     cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
                 else:
