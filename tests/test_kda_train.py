@@ -156,6 +156,38 @@ def test_autograd_wiring_without_optional_inputs(monkeypatch):
     assert all(t.grad is not None for t in x.values())
 
 
+@pytest.mark.parametrize("opt_in, expected", [("kda_fwd_train", "cula-sm90+fla-bwd"), ("", "fla-triton")])
+def test_grad_inputs_reach_the_train_path_on_a_hopper(monkeypatch, opt_in, expected):
+    """Dispatch with the real kda_fwd.supports on a faked sm_90 (CPU tensors posing as CUDA ones): inputs
+    that require grad take our forward under FLA's backward when opted in. The first H200 run found them
+    all handed to FLA: supports() refuses grad-requiring inputs (its own path has no backward), and the
+    train path asked it with grad on; the CPU tests had replaced supports() by fakes."""
+    pytest.importorskip("fla")
+    import cula
+    from cula import _dispatch
+
+    monkeypatch.setattr(_dispatch, "device_arch", lambda device: (9, 0))
+    monkeypatch.setattr(_dispatch, "cuda_available", lambda: True)
+    monkeypatch.setattr(_dispatch, "_current_arch", lambda: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setenv("CULA_KERNELS", opt_in)
+    gen = torch.Generator().manual_seed(0)
+    x = dict(q=torch.randn(1, 130, 2, 128, generator=gen), k=torch.randn(1, 130, 2, 128, generator=gen),
+             v=torch.randn(1, 130, 2, 128, generator=gen), g=torch.randn(1, 130, 2, 128, generator=gen),
+             beta=torch.randn(1, 130, 2, generator=gen))
+    x = {n: t.to(torch.bfloat16).requires_grad_() for n, t in x.items()}
+    x.update(A_log=torch.zeros(2, requires_grad=True), dt_bias=torch.zeros(256, requires_grad=True))
+    decision = cula.backends("chunk_kda", **x, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                             use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                             output_final_state=True)
+    assert decision.backend == expected, str(decision)
+    if not opt_in:
+        assert "opt in with CULA_KERNELS=kda_fwd_train" in str(decision)
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("sigmoid", [False, True])
 @pytest.mark.parametrize("ht", [False, True])

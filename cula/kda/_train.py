@@ -53,7 +53,8 @@ def limits(inputs: Mapping[str, Any]) -> str | None:
     if reason is not None:
         return reason
     kwargs = kernel_kwargs("kda_fwd", inputs)
-    reason = module.supports(**kwargs)
+    with torch.no_grad():  # the kernel runs inside the autograd Function's forward, where grad is off
+        reason = module.supports(**kwargs)
     if reason is not None:
         return f"kernel: {reason}"
     q, v = inputs["q"], inputs["v"]
