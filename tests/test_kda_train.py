@@ -318,7 +318,8 @@ def test_gpu_gradients_match_fla(B, T, H, HV, cu, lb, sigmoid, h0, v_first, gate
     """Gradients of every input through cula (our forward, FLA's backward) against FLA's chunk_kda and
     the fp64 reference's autograd. Tolerance: our error against fp64 within 1.5x FLA's own (+1e-3): the
     backward is FLA's code, fed our bf16 Aqk / Akk instead of FLA's (two bf16 roundings of the same
-    quantities), so the errors are of one size; o and the final state must be the inference path's."""
+    quantities), so the errors are of one size; o and the final state within
+    1e-2 of the inference path's (which forms u in stage 2) and as close to fp64 as FLA's."""
     x, kw, leaves = _gpu_setup(monkeypatch, B, T, H, HV, cu, lb, sigmoid, h0, v_first, gate)
     import cula
     from cula._dispatch import CULA_SM90_FLA_BWD
@@ -336,9 +337,11 @@ def test_gpu_gradients_match_fla(B, T, H, HV, cu, lb, sigmoid, h0, v_first, gate
     o_f, ht_f, g_f = _run(fla_chunk_kda, x, kw, do, dht)
     x64 = {n: t.double() for n, t in x.items()}
     o_r, ht_r, g_r = _run(lambda **a: ref.recurrent(**a, dtype=torch.float64), x64, kw, do.double(), dht.double())
-    with torch.no_grad():  # the inference path on the same inputs: o and ht bit for bit
+    with torch.no_grad():  # the inference path on the same inputs (u formed in stage 2, not stage 1: not bitwise)
         o_i, ht_i = chunk_kda(**x, **kw)
-    assert torch.equal(o_c, o_i) and torch.equal(ht_c, ht_i)
+    # 1e-2 norm-relative is ~5 bf16 unit roundoffs: the two stage pairs round u / T' differently, nothing more
+    assert _rel(o_c, o_i) <= 1e-2 and _rel(ht_c, ht_i) <= 1e-2, (_rel(o_c, o_i), _rel(ht_c, ht_i))
+    assert _rel(o_c, o_r) <= 1.5 * _rel(o_f, o_r) + 1e-3 and _rel(ht_c, ht_r) <= 1.5 * _rel(ht_f, ht_r) + 1e-3
     report = []
     for name in g_r:
         ours, fla = _rel(g_c[name], g_r[name]), _rel(g_f[name], g_r[name])

@@ -15,8 +15,10 @@ serves (bf16 q/k/v with K = V = 128, ``use_qk_l2norm_in_kernel``, ``use_gate_in_
 ``g`` FLA saves its chunk-local cumsum (log2 units) instead of recomputing the gate: FLA's
 ``chunk_local_cumsum`` forms it here. Everything else with gradients runs FLA's whole ``chunk_kda``.
 
-Numerics: o and the final state are the inference path's, bit for bit (the same kernels on the same
-inputs). The backward sees our bf16 ``Aqk`` / ``Akk`` where FLA's forward would have given its own
+Numerics: o and the final state are not the inference path's bit for bit: inference forms u in stage 2
+from a bf16 T' (``kda_fwd.U_IN_RECUR``), while this path's stage 1 forms u itself (it writes bf16(T) for FLA
+instead of T'), so the two differ by bf16 roundings of the same quantities (a few ulps; the first GPU run
+found one ulp in o). The backward sees our bf16 ``Aqk`` / ``Akk`` where FLA's forward would have given its own
 (both bf16 roundings of the same exact quantities; ours are formed from fp32-normalised q and k, FLA's
 from its bf16 q̂, k̂), so gradients agree with FLA's to bf16 rounding, not bitwise. With
 ``lower_bound=None`` our forward clamps the softplus gate at -11 per token (``SOFTPLUS_FLOOR``) while
