@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from _kda_host import record_kda_launches
+from cula.kernels.common.aot import TRAIN_TEST_CASES
 from cula.kernels.sm90 import kda_fwd
 
 gpu = pytest.mark.gpu
@@ -277,15 +278,8 @@ def _gpu_case(B, T, H, HV, cu, seed, lower_bound, sigmoid, h0, v_first, gate="ke
     return x, kw
 
 
-# HV = 2 throughout: FLA's backward kernels autotune per HV (and state layout) on first use, minutes on a
-# fresh device, so the cases share one key where they can
-GPU_CASES = [
-    pytest.param(2, 200, 2, 2, None, -5.0, True, True, False, "kernel", id="B2-T200-lb5-h0"),
-    pytest.param(1, 300, 1, 2, [0, 0, 1, 64, 65, 300], -5.0, True, True, True, "kernel", id="varlen-zero-gva-vfirst"),
-    pytest.param(1, 1000, 2, 2, [0, 333, 1000], None, False, False, False, "kernel", id="varlen-softplus-plainbeta"),
-    pytest.param(1, 63, 1, 2, None, -1.0, True, False, False, "kernel", id="T63-lb1-gva"),
-    pytest.param(1, 200, 2, 2, [0, 70, 200], -5.0, True, True, False, "log", id="varlen-loggate-safe"),
-]
+#: one definition with the AOT build's (kernels/common/aot.py), so the device finds every case precompiled
+GPU_CASES = [pytest.param(*case, id=name) for name, case in TRAIN_TEST_CASES.items()]
 #: the log-space gate on the tensor-core stage 1 is opt-in too until validated (kda_fwd.LOG_GATE_VALIDATED)
 OPT_IN = "kda_fwd_train,kda_fwd_loggate"
 

@@ -28,6 +28,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+#: one list with stage 1's (importing the kernel module costs nothing extra: kda_fwd imports it anyway)
+from cula.kernels.sm90.kda_fwd_intra_tc import SAME_VALUE_DIAGS as _SAME_VALUE_DIAGS
+
 AOT_ENV = "CULA_AOT_DIR"
 HOST_ARCH_ENV = "sm_90"  # the environment's arch while compiling: differs from GPU_ARCH, so no host JIT
 GPU_ARCH = "sm_90a"
@@ -150,27 +153,30 @@ SCENARIOS = {
     # the training path: kda_fwd(fla_factors=True) for the kda_train suite and the check cases it serves
     "train": ("train", {}),
     # device_round diag_split: the split rows with each of stage 1's timing diagnostics (kda_fwd_intra_tc.DIAG)
-    **{f"diag_{d}": ("split", {"intra_tc.DIAG": (d,)})
-       for d in ("no_wu_store", "no_qg_kgt", "no_aqk_store", "l2_loads", "no_inverse")},
+    **{f"diag_{d}": ("split", {"intra_tc.DIAG": (d,)}) for d in _SAME_VALUE_DIAGS},
 }
 
 
-#: tests/test_kda_train.py's GPU cases: (B, T, H, HV, cu_seqlens, lower_bound, beta sigmoid, h0, V-first, gate)
-TRAIN_TEST_CASES = (
-    (2, 200, 2, 2, None, -5.0, True, True, False, "kernel"),
-    (1, 300, 1, 2, [0, 0, 1, 64, 65, 300], -5.0, True, True, True, "kernel"),
-    (1, 1000, 2, 2, [0, 333, 1000], None, False, False, False, "kernel"),
-    (1, 63, 1, 2, None, -1.0, True, False, False, "kernel"),
-    (1, 200, 2, 2, [0, 70, 200], -5.0, True, True, False, "log"),
-)
+#: tests/test_kda_train.py's GPU cases by test id: (B, T, H, HV, cu_seqlens, lower_bound, beta sigmoid, h0,
+#: V-first, gate). HV = 2 throughout: FLA's backward kernels autotune per HV (and state layout) on first use,
+#: minutes on a fresh device, so the cases share one key where they can
+TRAIN_TEST_CASES = {
+    "B2-T200-lb5-h0": (2, 200, 2, 2, None, -5.0, True, True, False, "kernel"),
+    "varlen-zero-gva-vfirst": (1, 300, 1, 2, [0, 0, 1, 64, 65, 300], -5.0, True, True, True, "kernel"),
+    "varlen-softplus-plainbeta": (1, 1000, 2, 2, [0, 333, 1000], None, False, False, False, "kernel"),
+    "T63-lb1-gva": (1, 63, 1, 2, None, -1.0, True, False, False, "kernel"),
+    "varlen-loggate-safe": (1, 200, 2, 2, [0, 70, 200], -5.0, True, True, False, "log"),
+}
 
 
 def _train_test_calls():
-    """``kda_fwd(fla_factors=True)`` as ``cula.kda._train`` calls it for the training GPU tests' cases."""
+    """``kda_fwd`` as the training GPU tests call it: with ``fla_factors`` (``cula.kda._train``), and without
+    (the inference path they compare o and the final state with: on the device the first run of a case spent
+    minutes compiling it)."""
     import torch
 
     dev = torch.device("meta")
-    for B, T, H, HV, cu, lb, sigmoid, h0, v_first, gate in TRAIN_TEST_CASES:
+    for B, T, H, HV, cu, lb, sigmoid, h0, v_first, gate in TRAIN_TEST_CASES.values():
         N = B if cu is None else len(cu) - 1
         qk = torch.empty(B, T, H, 128, device=dev, dtype=torch.bfloat16)
         v = torch.empty(B, T, HV, 128, device=dev, dtype=torch.bfloat16)
@@ -182,8 +188,10 @@ def _train_test_calls():
                   dt_bias=torch.empty(HV * 128, device=dev) if kernel_gate else None,
                   safe_gate=lb is not None or gate == "log", lower_bound=lb, state_v_first=v_first,
                   initial_state=torch.empty(N, HV, 128, 128, device=dev) if h0 else None,
-                  cu_seqlens=None if cu is None else torch.tensor(cu), fla_factors=True)
-        yield (qk, qk, v, g, torch.empty(B, T, HV, device=dev, dtype=torch.bfloat16)), kw
+                  cu_seqlens=None if cu is None else torch.tensor(cu))
+        args = (qk, qk, v, g, torch.empty(B, T, HV, device=dev, dtype=torch.bfloat16))
+        yield args, dict(kw, fla_factors=True)
+        yield args, kw
 
 
 def _suite_calls(names=("kda", "kda_layer"), **extra):

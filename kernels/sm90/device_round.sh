@@ -196,8 +196,9 @@ for s in $steps; do
         done ;;
     diag_split)  # session 15: what part of stage 1's time is memory (CULA_KDA_TC_DIAG: outputs wrong, timing only):
         # one split per diagnostic against none, none again at the end, on the default (u in stage 2's stage 1;
-        # each diagnostic is a module of .device/aot: scenarios diag_*); most telling first: the stores
-        for d in none no_wu_store no_qg_kgt no_aqk_store l2_loads no_inverse none; do
+        # each diagnostic is a module of .device/aot: scenarios diag_*, one per kda_fwd_intra_tc.SAME_VALUE_DIAGS)
+        diags=$(python3 -c "from cula.kernels.sm90.kda_fwd_intra_tc import SAME_VALUE_DIAGS as d; print(*d)")
+        for d in none $diags none; do
             dv=$d; [ "$d" = none ] && dv=""
             step diag_split_$d 100 env CULA_KDA_TC_DIAG=$dv python3 -u -m cula.kernels.sm90.kda_fwd --check \
                 --split worst

@@ -110,6 +110,8 @@ PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
 #: kda_fwd.md, session 16's reading; a no-op with ``t_out``). A split per option against none says what
 #: each costs.
 DIAG_OPTIONS = ("l2_loads", "no_qg_kgt", "no_wu_store", "no_aqk_store", "no_inverse", "no_v_u")
+#: the diagnostics that keep stage 1's values (all but no_v_u): what device_round's diag_split times one by one
+SAME_VALUE_DIAGS = tuple(d for d in DIAG_OPTIONS if d != "no_v_u")
 DIAG = tuple(x for x in __import__("os").environ.get("CULA_KDA_TC_DIAG", "").split(",") if x)
 SPLIT_PASSES = ((0, 0), (0, 1), (1, 0))  # (A part, B part) of each pass, 0 = hi, 1 = lo: lo·lo is dropped
 
@@ -1214,7 +1216,7 @@ def compile_targets():
         "softplus_gate": build(cutlass.BFloat16, **full, softplus_gate=True),
         "softplus_fp32_gate_gva": build(cutlass.Float32, **{**full, "group": 2}, softplus_gate=True),
         # every same-values diagnostic at once; no_v_u (a different stage 1: no v, no u) on its own
-        "diag_all": build(cutlass.BFloat16, **full, diag=tuple(d for d in DIAG_OPTIONS if d != "no_v_u")),
+        "diag_all": build(cutlass.BFloat16, **full, diag=SAME_VALUE_DIAGS),
         "diag_no_v_u": build(cutlass.BFloat16, **full, diag=("no_v_u",)),
         "emit_akk": build(cutlass.BFloat16, **full, emit_akk=True),
         # u in stage 2: T' beside Aqk, -w, no v and no u (kda_fwd.U_IN_RECUR)
@@ -1224,8 +1226,7 @@ def compile_targets():
         "signal": build(cutlass.BFloat16, **full, signal=True),
         "signal_t_out": build(cutlass.BFloat16, **full, signal=True, t_out=True),
         # the timing diagnostics on the default stage 1 (device_round diag_split)
-        "t_out_diag_all": build(cutlass.BFloat16, **full, t_out=True,
-                                diag=tuple(d for d in DIAG_OPTIONS if d != "no_v_u")),
+        "t_out_diag_all": build(cutlass.BFloat16, **full, t_out=True, diag=SAME_VALUE_DIAGS),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
         "log_gate": build(cutlass.Float32, **{**full, "has_a_log": False, "has_dt_bias": False}, log_gate=True),
     }
