@@ -50,12 +50,14 @@ for s in $steps; do
         # log-space gate (docs/DEVICE.md): stage 1's occupancy (2 CTAs per SM: its shared memory fills the SM
         # exactly), then the tensor-core GPU cases through pytest (with FLA); the suites follow in their own
         # call (kda_suite kda_layer_suite, CULA_GIT_SHA set)
-        step tc_occupancy 120 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_tc_numerics.py
-        step tc_gpu 420 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+        step tc_occupancy 120 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf tests/test_kda_tc_numerics.py
+        step tc_gpu 420 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "test_gpu_kernel_matches_reference and tc-" ;;
     train)  # chunk_kda with gradients (session 16, CPU-built): our forward under FLA's backward, opt-in until
         # this passes (cula.kda._train.SWITCH). FLA's backward autotunes on first use (save_triton_cache after)
-        step kda_train 420 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf -s tests/test_kda_train.py ;;
+        # -v: a step killed at its limit prints no summary, so the log names each test as it ends
+        step kda_train 420 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf -s --durations=0 \
+            tests/test_kda_train.py ;;
     train_suite)  # the training step (forward + backward) against FLA's, opt-in path on (CULA_GIT_SHA set)
         step kda_train_suite 420 env CULA_KERNELS=kda_fwd_train CULA_GIT_DIRTY=0 python3 -m cula.cli bench \
             --suite kda_train --mode both --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
