@@ -63,6 +63,11 @@ def test_scenarios_record_the_device_steps_launches():
     dg = [key for k, key, _, _ in aot.record_launches("diag_no_wu_store") if k == "intra_tc"]
     assert dg and all(dict(key[0])["diag"] == ("no_wu_store",) and dict(key[0])["t_out"] for key in dg)
     assert intra_tc.DIAG == ()
+    # gate_chain's modules: the default stage 1 with running-product factors, in checks and splits
+    for scenario in ("gate_chain_checks", "gate_chain_split"):
+        gc = [key for k, key, _, _ in aot.record_launches(scenario) if k == "intra_tc"]
+        assert gc and all(dict(key[0]).get("gate_chain") and dict(key[0])["t_out"] for key in gc)
+    assert intra_tc.GATE_CHAIN is False
 
 
 def test_a_module_builds_without_a_gpu_and_round_trips(tmp_path, monkeypatch):

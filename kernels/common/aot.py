@@ -154,6 +154,9 @@ SCENARIOS = {
     "train": ("train", {}),
     # device_round diag_split: the split rows with each of stage 1's timing diagnostics (kda_fwd_intra_tc.DIAG)
     **{f"diag_{d}": ("split", {"intra_tc.DIAG": (d,)}) for d in _SAME_VALUE_DIAGS},
+    # device_round gate_chain: stage 1's factors by running products (kda_fwd_intra_tc.GATE_CHAIN), checks and splits
+    "gate_chain_checks": ("tc", {"intra_tc.GATE_CHAIN": True}),
+    "gate_chain_split": ("split", {"intra_tc.GATE_CHAIN": True}),
 }
 
 

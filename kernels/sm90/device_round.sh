@@ -205,6 +205,14 @@ for s in $steps; do
             step diag_split_$d 100 env CULA_KDA_TC_DIAG=$dv python3 -u -m cula.kernels.sm90.kda_fwd --check \
                 --split worst
         done ;;
+    gate_chain)  # session 19: stage 1's phase-2 factors by running products (CULA_KDA_TC_GATE_CHAIN, CPU-compiled only;
+        # AOT scenarios gate_chain_*): the tensor-core check cases with FLA, then off / on / off / on splits (<= 420 s)
+        step gate_chain_check 150 env CULA_KDA_TC_GATE_CHAIN=1 python3 -u -m cula.kernels.sm90.kda_fwd --check \
+            --no-bench --cases tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
+        for a in 0 1 0 1; do
+            step gate_chain_split$a 60 env CULA_KDA_TC_GATE_CHAIN=$a python3 -u -m cula.kernels.sm90.kda_fwd --check \
+                --split worst
+        done ;;
     u_in_recur)  # session 17: u formed in stage 2 from T' and v (CULA_KDA_U_IN_RECUR, CPU-compiled only): the
         # tensor-core check cases (varlen partial chunks, zero-length segments, GVA, V-first, both gate forms,
         # initial and final state), then the GPU tests without a state and the partial chunk before an Inf
