@@ -70,6 +70,51 @@ def test_scenarios_record_the_device_steps_launches():
     assert intra_tc.GATE_CHAIN is False
 
 
+def test_train_scenario_covers_the_training_gpu_tests(monkeypatch):
+    """Every launch the training GPU tests make through the public op (their inference calls, on a faked sm_90
+    with the launcher recorded) is a module of the ``train`` scenario: on the H100 a case without one compiled
+    for minutes and ran its step out of time (session 19)."""
+    pytest.importorskip("fla")
+    import contextlib
+
+    import test_kda_train as train_tests
+
+    from cula import _dispatch
+    from cula.kda import chunk_kda
+    from cula.kernels.common import fast_launch
+    from cula.kernels.sm90 import kda_fwd
+
+    want = {(k, key) for k, key, _, _ in aot.record_launches("train")}
+    for name, value in (("device_arch", lambda device=None: (9, 0)), ("_current_arch", lambda: (9, 0)),
+                        ("cuda_available", lambda: True)):
+        monkeypatch.setattr(_dispatch, name, value)
+    for name, value in (("is_available", lambda: True), ("is_current_stream_capturing", lambda: False),
+                        ("get_device_capability", lambda device=None: (9, 0)), ("current_device", lambda: 0),
+                        ("device", lambda device: contextlib.nullcontext())):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(fast_launch, "current_stream_handle", lambda index: 0)
+    monkeypatch.setattr(kda_fwd, "sm_count", lambda device: 132)
+    seen: set = set()
+
+    def launcher(kind, key, make_kernel, specs):
+        seen.add((kind, key))
+        return lambda *values: None
+
+    monkeypatch.setattr(kda_fwd, "_launcher", launcher)
+    monkeypatch.setenv("CULA_KERNELS", train_tests.OPT_IN)
+    real_to, real_tensor = torch.Tensor.to, torch.tensor
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: real_to(
+        self, *("cpu" if x == "cuda" else x for x in a), **k))
+    monkeypatch.setattr(torch, "tensor", lambda *a, device=None, **k: real_tensor(*a, **k))
+    for case in train_tests.GPU_CASES:
+        B, T, H, HV, cu, lb, sigmoid, h0, v_first, gate = case.values
+        x, kw = train_tests._gpu_case(B, T, H, HV, cu, 0, lb, sigmoid, h0, v_first, gate)
+        with torch.no_grad():
+            chunk_kda(**x, **kw)
+    assert seen and seen <= want, sorted(seen - want)
+
+
 def test_a_module_builds_without_a_gpu_and_round_trips(tmp_path, monkeypatch):
     """The recurrence of the u-in-stage-2 scenario compiles for sm_90a on the CPU, and its file holds MLIR
     bytecode that parses, the host entry's name and argument spec. Loading it needs the GPU machine's CUDA
