@@ -1,5 +1,5 @@
-"""The kda_fwd host path without a GPU: kernel launches recorded instead of run (shared by
-tests/test_kernel_kda_fwd.py and tests/test_kda_train.py)."""
+"""The kda_fwd host path without a GPU: kernel launches recorded instead of run, CPU tensors posing as tensors
+on an sm_90 GPU (shared by tests/test_kernel_kda_fwd.py, tests/test_kda_train.py and tests/test_aot.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,20 @@ def record_kda_launches(monkeypatch) -> list[tuple]:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(kda_fwd, "sm_count", lambda device: 132)
     return calls
+
+
+def fake_sm90(monkeypatch) -> None:
+    """Make dispatch and the real ``kda_fwd.supports`` see CPU tensors as tensors on an sm_90 GPU (unlike
+    tests/test_dispatch.py's ``hopper`` fixture, the kernel modules stay the real ones)."""
+    from cula import _dispatch
+
+    monkeypatch.setattr(_dispatch, "device_arch", lambda device=None: (9, 0))
+    monkeypatch.setattr(_dispatch, "_current_arch", lambda: (9, 0))
+    monkeypatch.setattr(_dispatch, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
 
 
 def record_allocations(monkeypatch) -> list:

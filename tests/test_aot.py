@@ -78,30 +78,14 @@ def test_train_scenario_covers_the_training_gpu_tests(monkeypatch):
     import contextlib
 
     import test_kda_train as train_tests
+    from _kda_host import fake_sm90, record_kda_launches
 
-    from cula import _dispatch
     from cula.kda import chunk_kda
-    from cula.kernels.common import fast_launch
-    from cula.kernels.sm90 import kda_fwd
 
     want = {(k, key) for k, key, _, _ in aot.record_launches("train")}
-    for name, value in (("device_arch", lambda device=None: (9, 0)), ("_current_arch", lambda: (9, 0)),
-                        ("cuda_available", lambda: True)):
-        monkeypatch.setattr(_dispatch, name, value)
-    for name, value in (("is_available", lambda: True), ("is_current_stream_capturing", lambda: False),
-                        ("get_device_capability", lambda device=None: (9, 0)), ("current_device", lambda: 0),
-                        ("device", lambda device: contextlib.nullcontext())):
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(fast_launch, "current_stream_handle", lambda index: 0)
-    monkeypatch.setattr(kda_fwd, "sm_count", lambda device: 132)
-    seen: set = set()
-
-    def launcher(kind, key, make_kernel, specs):
-        seen.add((kind, key))
-        return lambda *values: None
-
-    monkeypatch.setattr(kda_fwd, "_launcher", launcher)
+    fake_sm90(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    calls = record_kda_launches(monkeypatch)
     monkeypatch.setenv("CULA_KERNELS", train_tests.OPT_IN)
     real_to, real_tensor = torch.Tensor.to, torch.tensor
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: real_to(
@@ -112,6 +96,7 @@ def test_train_scenario_covers_the_training_gpu_tests(monkeypatch):
         x, kw = train_tests._gpu_case(B, T, H, HV, cu, 0, lb, sigmoid, h0, v_first, gate)
         with torch.no_grad():
             chunk_kda(**x, **kw)
+    seen = {(kind, key) for kind, key, _, _ in calls}
     assert seen and seen <= want, sorted(seen - want)
 
 

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from _kda_host import record_kda_launches
+from _kda_host import fake_sm90, record_kda_launches
 from cula.kernels.common.aot import TRAIN_TEST_CASES
 from cula.kernels.sm90 import kda_fwd
 
@@ -160,20 +160,13 @@ def test_autograd_wiring_without_optional_inputs(monkeypatch):
 @pytest.mark.parametrize("opt_in, expected", [("kda_fwd_train", "cula-sm90+fla-bwd"), ("", "fla-triton")])
 def test_grad_inputs_reach_the_train_path_on_a_hopper(monkeypatch, opt_in, expected):
     """Dispatch with the real kda_fwd.supports on a faked sm_90 (CPU tensors posing as CUDA ones): inputs
-    that require grad take our forward under FLA's backward when opted in. The first H200 run found them
-    all handed to FLA: supports() refuses grad-requiring inputs (its own path has no backward), and the
+    that require grad take our forward under FLA's backward when opted in. The first GPU run (an H100) found
+    them all handed to FLA: supports() refuses grad-requiring inputs (its own path has no backward), and the
     train path asked it with grad on; the CPU tests had replaced supports() by fakes."""
     pytest.importorskip("fla")
     import cula
-    from cula import _dispatch
 
-    monkeypatch.setattr(_dispatch, "device_arch", lambda device: (9, 0))
-    monkeypatch.setattr(_dispatch, "cuda_available", lambda: True)
-    monkeypatch.setattr(_dispatch, "_current_arch", lambda: (9, 0))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    fake_sm90(monkeypatch)
     monkeypatch.setenv("CULA_KERNELS", opt_in)
     gen = torch.Generator().manual_seed(0)
     x = dict(q=torch.randn(1, 130, 2, 128, generator=gen), k=torch.randn(1, 130, 2, 128, generator=gen),
