@@ -693,11 +693,6 @@ class KdaFwdIntraTC:
             xx = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             qg = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
-                gam = gl[rr, c] + pre[c]  # Γ of (r, d0 + c)
-                rel_c = gam - cref[c]  # a − b = −(b − a) exactly: fb negates the operand, no FADD
-                fa = F32(0.0)
-                fb = F32(0.0)
-                fg = F32(0.0)
                 if cutlass.const_expr(self.gate_chain and rr > 0):
                     step = gl[rr, c] - gl[rr - 1, c]  # this token's log2 decay (<= 0; 0 past the end)
                     up = cute.math.exp2(step, fastmath=True)
@@ -705,6 +700,8 @@ class KdaFwdIntraTC:
                     fb = fb_up[c] * cute.math.exp2(-step, fastmath=True)
                     fg = fg_up[c] * up
                 else:
+                    gam = gl[rr, c] + pre[c]  # Γ of (r, d0 + c)
+                    rel_c = gam - cref[c]  # a − b = −(b − a) exactly: fb negates the operand, no FADD
                     fa = cute.math.exp2(rel_c, fastmath=True)  # <= 2^shift
                     fb = cute.math.exp2(-rel_c, fastmath=True)  # <= 2^shift
                     fg = cute.math.exp2(gam, fastmath=True)  # <= 1
