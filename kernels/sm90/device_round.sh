@@ -53,6 +53,10 @@ for s in $steps; do
         step tc_occupancy 120 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf tests/test_kda_tc_numerics.py
         step tc_gpu 420 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "test_gpu_kernel_matches_reference and tc-" ;;
+    loggate)  # session 16's log-space gate on the tensor-core stage 1 (opt-in until LOG_GATE_VALIDATED): its two
+        # check cases through pytest, against the fp64 reference and FLA (AOT modules; <= 120 s)
+        step loggate 120 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "test_gpu_kernel_matches_reference and tc-loggate" ;;
     train)  # chunk_kda with gradients (session 16, CPU-built): our forward under FLA's backward, opt-in until
         # this passes (cula.kda._train.SWITCH). FLA's backward autotunes on first use (save_triton_cache after)
         # -v: a step killed at its limit prints no summary, so the log names each test as it ends
