@@ -63,11 +63,12 @@ def test_scenarios_record_the_device_steps_launches():
     dg = [key for k, key, _, _ in aot.record_launches("diag_no_wu_store") if k == "intra_tc"]
     assert dg and all(dict(key[0])["diag"] == ("no_wu_store",) and dict(key[0])["t_out"] for key in dg)
     assert intra_tc.DIAG == ()
-    # gate_chain's modules: the default stage 1 with running-product factors, in checks and splits
-    for scenario in ("gate_chain_checks", "gate_chain_split"):
-        gc = [key for k, key, _, _ in aot.record_launches(scenario) if k == "intra_tc"]
-        assert gc and all(dict(key[0]).get("gate_chain") and dict(key[0])["t_out"] for key in gc)
-    assert intra_tc.GATE_CHAIN is False
+    # gate_factors' modules: the default stage 1 with running-product or halved factors, in checks and splits
+    for mode in ("chain", "halves"):
+        for scenario in (f"gate_{mode}_checks", f"gate_{mode}_split"):
+            gc = [key for k, key, _, _ in aot.record_launches(scenario) if k == "intra_tc"]
+            assert gc and all(dict(key[0]).get("gate_factors") == mode and dict(key[0])["t_out"] for key in gc)
+    assert intra_tc.GATE_FACTORS == "direct"
 
 
 def test_train_scenario_covers_the_training_gpu_tests(monkeypatch):

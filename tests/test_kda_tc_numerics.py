@@ -85,6 +85,46 @@ def test_without_a_lower_bound_the_diagonal_factor_overflows():
     assert not torch.isfinite(got).all()
 
 
+def _ftz(x):
+    """fp32 flush-to-zero, as ex2.approx.ftz and the kernel's products leave sub-2^-126 values."""
+    return torch.where(x.abs() < 2.0 ** -126, torch.zeros_like(x), x)
+
+
+@pytest.mark.parametrize("lb", [-11.0, -5.0, -0.1, 0.0])
+@pytest.mark.parametrize("saturated", [True, False])
+def test_gate_halves_match_the_direct_factor(lb, saturated):
+    """GATE_FACTORS="halves": q·2^Γ and k·2^Γ as (x·2^(Γ−C))·h·h with h = 2^(C/2), in fp32 with flush-to-zero, at
+    the lower bounds the tensor-core stage 1 takes (down to MIN_LOWER_BOUND, every gate at the bound when
+    saturated): finite, and within 2^-16 (relative) of x·2^Γ wherever the direct exp2 does not flush it (where it
+    does, the halves are below 2^-100 too). The 2^-16: Γ − C is rounded to fp32 before its exp2, an absolute
+    error up to half an ulp of |Γ − C| <= 2 shift < 256, i.e. 2^-17 in log2 units; 1/128 of the bf16 ulp the
+    products are rounded to next. h = 2^C in one factor would fail here: it flushes at C < -126
+    while 2^Γ, up to 2^shift larger, does not."""
+    from cula.kernels.sm90 import kda_fwd_intra_tc as tc
+
+    assert tc.MIN_LOWER_BOUND <= lb <= 0.0
+    g = torch.Generator().manual_seed(3)
+    lb2 = lb / math.log(2.0)
+    step = torch.full((C, D), lb2) if saturated else lb2 * torch.rand(C, D, generator=g, dtype=torch.float64)
+    gam = step.float().cumsum(0)  # Γ within the chunk, log2 units, fp32 as the kernel's scan
+    shift = -7.5 * lb / math.log(2.0)
+    cref = (gam[::SUB] - shift).repeat_interleave(SUB, 0)  # C of each row's 16-row block
+    x = torch.empty(C, D).uniform_(-1.0, 1.0, generator=g)
+    fa = _ftz(torch.exp2(gam - cref))
+    h = _ftz(torch.exp2(cref * 0.5))
+    halves = _ftz(_ftz(x * fa) * h) * h
+    halves = _ftz(halves)
+    direct = x.double() * _ftz(torch.exp2(gam.double()))
+    assert torch.isfinite(fa).all() and torch.isfinite(halves).all()
+    live = direct.abs() >= 2.0 ** -100  # clear of the flush, so a relative bound is meaningful
+    rel = (halves.double() - direct).abs() / direct.abs()
+    assert (rel <= 2.0 ** -16)[live].all(), rel[live].max()
+    assert (halves.double().abs() <= 2.0 ** -100)[~live].all()
+    if saturated and lb <= -5.0:  # the range case: blocks whose C is below -126 still carry 2^Γ > 0
+        assert ((cref < -126) & (direct != 0)).any()
+        assert (_ftz(torch.exp2(cref)) * fa == 0)[(cref < -126) & (direct != 0)].all()
+
+
 def test_stage1_shared_memory_fits_two_ctas():
     """Stage 1's tiles (the B'_1..3 tiles of the off-diagonal blocks, 24 KB, among them) and bf16 factors:
     two CTAs per SM fit (the launch bound the kernel is compiled for), with the driver's 1 KB per CTA.

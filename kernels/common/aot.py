@@ -154,9 +154,10 @@ SCENARIOS = {
     "train": ("train", {}),
     # device_round diag_split: the split rows with each of stage 1's timing diagnostics (kda_fwd_intra_tc.DIAG)
     **{f"diag_{d}": ("split", {"intra_tc.DIAG": (d,)}) for d in _SAME_VALUE_DIAGS},
-    # device_round gate_chain: stage 1's factors by running products (kda_fwd_intra_tc.GATE_CHAIN), checks and splits
-    "gate_chain_checks": ("tc", {"intra_tc.GATE_CHAIN": True}),
-    "gate_chain_split": ("split", {"intra_tc.GATE_CHAIN": True}),
+    # device_round gate_factors: stage 1's factors by running products or 2^Γ by halves (intra_tc.GATE_FACTORS)
+    # checks and splits
+    **{f"gate_{m}_{w}": (what, {"intra_tc.GATE_FACTORS": m}) for m in ("chain", "halves")
+       for w, what in (("checks", "tc"), ("split", "split"))},
 }
 
 

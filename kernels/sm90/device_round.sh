@@ -209,12 +209,16 @@ for s in $steps; do
             step diag_split_$d 100 env CULA_KDA_TC_DIAG=$dv python3 -u -m cula.kernels.sm90.kda_fwd --check \
                 --split worst
         done ;;
-    gate_chain)  # session 19: stage 1's phase-2 factors by running products (CULA_KDA_TC_GATE_CHAIN, CPU-compiled only;
-        # AOT scenarios gate_chain_*): the tensor-core check cases with FLA, then off / on / off / on splits (<= 420 s)
-        step gate_chain_check 150 env CULA_KDA_TC_GATE_CHAIN=1 python3 -u -m cula.kernels.sm90.kda_fwd --check \
-            --no-bench --cases tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
-        for a in 0 1 0 1; do
-            step gate_chain_split$a 60 env CULA_KDA_TC_GATE_CHAIN=$a python3 -u -m cula.kernels.sm90.kda_fwd --check \
+    gate_factors)  # sessions 19-20: stage 1's phase-2 factors (CULA_KDA_TC_GATE_FACTORS, CPU-compiled only; AOT
+        # scenarios gate_{chain,halves}_*): running products ("chain") and 2^Γ by halves ("halves"): the tensor-core
+        # check cases with FLA for each, then direct / chain / halves splits twice (<= 560 s)
+        cases=tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
+        for m in chain halves; do
+            step gate_${m}_check 120 env CULA_KDA_TC_GATE_FACTORS=$m python3 -u -m cula.kernels.sm90.kda_fwd \
+                --check --no-bench --cases $cases
+        done
+        for m in direct chain halves direct chain halves; do
+            step gate_split_$m 50 env CULA_KDA_TC_GATE_FACTORS=$m python3 -u -m cula.kernels.sm90.kda_fwd --check \
                 --split worst
         done ;;
     u_in_recur)  # session 17: u formed in stage 2 from T' and v (CULA_KDA_U_IN_RECUR, CPU-compiled only): the

@@ -99,11 +99,15 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: 2.29x -> 2.39x). Session 6's TMA bulk prefetch of the same rows was 1-12% slower (the per-thread form
 #: also won over the bulk one in stage 2, session 8). ``CULA_KDA_TC_PREFETCH`` sets it for A/B runs.
 PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
-#: Phase 2's three reference factors 2^(Γ−C), 2^(C−Γ), 2^Γ by running products down a thread's 8 rows (after the
-#: first, each is the row above's times 2^(±g) of the row's own gate): two exp2 per element instead of three
-#: (192 -> 136 MUFU per thread; kda_fwd.md, session 19), a few fp32 ulps of drift. Opt-in until measured:
-#: ``CULA_KDA_TC_GATE_CHAIN=1``.
-GATE_CHAIN = __import__("os").environ.get("CULA_KDA_TC_GATE_CHAIN", "0") == "1"
+#: How phase 2 forms its three reference factors 2^(Γ−C), 2^(C−Γ), 2^Γ per element (kda_fwd.md, sessions 19-20):
+#: "direct" three exp2 (192 MUFU per thread); "chain" running products down a thread's 8 rows (after the first, each
+#: is the row above's times 2^(±g) of the row's own gate): two exp2 per element (136 MUFU per thread, 72 more
+#: instructions, a few fp32 ulps of drift); "halves" 2^Γ never formed: the products that need it, q·2^Γ and
+#: k·2^Γ, are (q·2^(Γ−C))·2^(C/2)·2^(C/2) from the q·2^(Γ−C) already formed (136 MUFU, same instruction count,
+#: no drift; the halves keep every intermediate in range, see the branch). Opt-in until measured:
+#: ``CULA_KDA_TC_GATE_FACTORS``.
+GATE_FACTOR_MODES = ("direct", "chain", "halves")
+GATE_FACTORS = __import__("os").environ.get("CULA_KDA_TC_GATE_FACTORS", "direct")
 #: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
 #: kda_fwd warns): which part of stage 1's time is memory. They apply to whichever stage 1 is the default
 #: (since session 18 u in stage 2's, ``t_out``). ``l2_loads``: every CTA reads its head's first rows (L2 hits
@@ -149,7 +153,7 @@ class KdaFwdIntraTC:
         t_out: bool = False,
         signal: bool = False,
         diag: tuple = (),
-        gate_chain: bool = False,
+        gate_factors: str = "direct",
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -179,7 +183,10 @@ class KdaFwdIntraTC:
         # no v loads, prefetches or tile and no u product or store: t_out, or the diagnostic that times it
         self.skip_vu = t_out or "no_v_u" in self.diag
         self.inv_wgmma = inv_wgmma
-        self.gate_chain = gate_chain  # GATE_CHAIN
+        if gate_factors not in GATE_FACTOR_MODES:
+            raise ValueError(f"gate_factors (CULA_KDA_TC_GATE_FACTORS): expected one of {GATE_FACTOR_MODES}, "
+                             f"got {gate_factors!r}")
+        self.gate_factors = gate_factors  # GATE_FACTORS
         # when to signal griddepcontrol.launch_dependents: "start" (on entry: stage 2, launched with
         # programmatic dependent launch, may start once every CTA of this grid is resident, i.e. during
         # the last wave), "end" (after the chunk's work) or "" (never: stage 2 starts at this grid's end)
@@ -666,11 +673,25 @@ class KdaFwdIntraTC:
         rq = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         rk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         kgt = cute.make_rmem_tensor(cute.make_layout((COLS_PER_THREAD, rpt), stride=(rpt, 1)), BF16)  # [c][rr]
-        # gate_chain: the row above's 2^(Γ−C), 2^(C−Γ), 2^Γ (the ranges are the direct ones': within a 16-row
+        # "chain": the row above's 2^(Γ−C), 2^(C−Γ), 2^Γ (the ranges are the direct ones': within a 16-row
         # block |Γ − C| <= shift; 2^Γ <= 1 flushes to zero where the direct exp2 does, and stays there)
+        chain = self.gate_factors == "chain"
+        halves = self.gate_factors == "halves"
         fa_up = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         fb_up = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         fg_up = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+        # "halves": Γ − C = gl + (pre − C), and 2^Γ = 2^(Γ−C) h h with h = 2^(C/2). C <= 0 (Γ of the block's
+        # first row less shift >= 0), so 2^(Γ−C) h = 2^(Γ − C/2) lies between 2^Γ and 2^(Γ−C) <= 2^shift <
+        # 2^128: nothing overflows, and an intermediate that underflows has a result that does too. h itself
+        # is normal down to C = −252; below, Γ <= C + shift < −252 + 119 flushes to zero either way.
+        pc = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # pre − C
+        hc = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # 2^(C/2)
+        hx = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # ±h: X's sign (t_out) rides on it
+        if cutlass.const_expr(halves):
+            for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                pc[c] = pre[c] - cref[c]
+                hc[c] = cute.math.exp2(cref[c] * F32(0.5), fastmath=True)
+                hx[c] = -hc[c] if cutlass.const_expr(self.t_out) else hc[c]
         qg_head = pQG + (hv * R + row0) * DK
         for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
@@ -693,19 +714,23 @@ class KdaFwdIntraTC:
             xx = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             qg = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
-                if cutlass.const_expr(self.gate_chain and rr > 0):
+                if cutlass.const_expr(chain and rr > 0):
                     step = gl[rr, c] - gl[rr - 1, c]  # this token's log2 decay (<= 0; 0 past the end)
                     up = cute.math.exp2(step, fastmath=True)
                     fa = fa_up[c] * up
                     fb = fb_up[c] * cute.math.exp2(-step, fastmath=True)
                     fg = fg_up[c] * up
+                elif cutlass.const_expr(halves):
+                    rel_h = gl[rr, c] + pc[c]
+                    fa = cute.math.exp2(rel_h, fastmath=True)  # <= 2^shift
+                    fb = cute.math.exp2(-rel_h, fastmath=True)  # <= 2^shift
                 else:
                     gam = gl[rr, c] + pre[c]  # Γ of (r, d0 + c)
                     rel_c = gam - cref[c]  # a − b = −(b − a) exactly: fb negates the operand, no FADD
                     fa = cute.math.exp2(rel_c, fastmath=True)  # <= 2^shift
                     fb = cute.math.exp2(-rel_c, fastmath=True)  # <= 2^shift
                     fg = cute.math.exp2(gam, fastmath=True)  # <= 1
-                if cutlass.const_expr(self.gate_chain):
+                if cutlass.const_expr(chain):
                     fa_up[c] = fa
                     fb_up[c] = fb
                     fg_up[c] = fg
@@ -713,11 +738,15 @@ class KdaFwdIntraTC:
                 qa[c] = rq[c] * fa
                 kt[c] = rk[c] * fb
                 kh[c] = kt[c] * fh[c]  # k̂ 2^(E − Γ) <= |k̂|
-                if cutlass.const_expr(self.t_out):  # -X, so that w = T'X leaves as -w (ptxas folds the sign)
+                if cutlass.const_expr(halves):  # k 2^Γ and q 2^Γ as (k 2^(Γ−C)) h h, (q 2^(Γ−C)) h h
+                    xx[c] = (ka[c] * hc[c]) * hx[c]
+                    qg[c] = (qa[c] * hc[c]) * hc[c]
+                elif cutlass.const_expr(self.t_out):  # -X, so that w = T'X leaves as -w (ptxas folds the sign)
                     xx[c] = (-rk[c]) * fg
+                    qg[c] = rq[c] * fg
                 else:
                     xx[c] = rk[c] * fg
-                qg[c] = rq[c] * fg
+                    qg[c] = rq[c] * fg
                 kgt[c, rr] = (kh[c] * fk[c]).to(BF16)  # k̂ 2^(Γ_last − Γ)
             obf.store(ka.load().to(BF16))
             _st8(a_layout, ka_raw, (r, d0, 0), obf)
@@ -1250,8 +1279,9 @@ def compile_targets():
         "signal_t_out": build(cutlass.BFloat16, **full, signal=True, t_out=True),
         # the timing diagnostics on the default stage 1 (device_round diag_split)
         "t_out_diag_all": build(cutlass.BFloat16, **full, t_out=True, diag=SAME_VALUE_DIAGS),
-        # phase 2's factors by running products (GATE_CHAIN), on the default stage 1
-        "t_out_gate_chain": build(cutlass.BFloat16, **full, t_out=True, gate_chain=True),
+        # phase 2's factors by running products, or 2^Γ by halves (GATE_FACTORS), on the default stage 1
+        "t_out_gate_chain": build(cutlass.BFloat16, **full, t_out=True, gate_factors="chain"),
+        "t_out_gate_halves": build(cutlass.BFloat16, **full, t_out=True, gate_factors="halves"),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
         "log_gate": build(cutlass.Float32, **{**full, "has_a_log": False, "has_dt_bias": False}, log_gate=True),
     }
