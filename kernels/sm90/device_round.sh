@@ -211,13 +211,15 @@ for s in $steps; do
         done ;;
     gate_factors)  # sessions 19-20: stage 1's phase-2 factors (CULA_KDA_TC_GATE_FACTORS, CPU-compiled only; AOT
         # scenarios gate_{chain,halves}_*): running products ("chain") and 2^Γ by halves ("halves"): the tensor-core
-        # check cases with FLA for each, then direct / chain / halves splits twice (<= 560 s)
+        # check cases with FLA for each, then direct / chain / halves splits twice (<= 560 s; GATE_MODES=halves: that
+        # mode alone, <= 320 s)
         cases=tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
-        for m in chain halves; do
+        modes=${GATE_MODES:-chain halves}
+        for m in $modes; do
             step gate_${m}_check 120 env CULA_KDA_TC_GATE_FACTORS=$m python3 -u -m cula.kernels.sm90.kda_fwd \
                 --check --no-bench --cases $cases
         done
-        for m in direct chain halves direct chain halves; do
+        for m in direct $modes direct $modes; do
             step gate_split_$m 50 env CULA_KDA_TC_GATE_FACTORS=$m python3 -u -m cula.kernels.sm90.kda_fwd --check \
                 --split worst
         done ;;
