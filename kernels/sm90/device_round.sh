@@ -60,7 +60,7 @@ for s in $steps; do
     train)  # chunk_kda with gradients (session 16, CPU-built): our forward under FLA's backward, opt-in until
         # this passes (cula.kda._train.SWITCH). FLA's backward autotunes on first use (save_triton_cache after)
         # -v: a step killed at its limit prints no summary, so the log names each test as it ends
-        step kda_train 420 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf -s --durations=0 \
+        step kda_train ${TRAIN_LIMIT:-420} python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf -s --durations=0 \
             tests/test_kda_train.py ;;
     train_suite)  # the training step (forward + backward) against FLA's, opt-in path on (CULA_GIT_SHA set)
         step kda_train_suite 420 env CULA_KERNELS=kda_fwd_train CULA_GIT_DIRTY=0 python3 -m cula.cli bench \
