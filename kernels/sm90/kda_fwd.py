@@ -50,10 +50,10 @@ DISPATCH_OFF: str | None = None
 #: ``CULA_KERNELS`` name that keeps the inputs of the SIMT stage 1 on this kernel although FLA is faster
 #: there (see ``simt_reason``).
 SIMT_OPT_IN = "kda_fwd_simt"
-#: Log-space gates declared bounded (safe_gate) on the tensor-core stage 1 (session 16, CPU-checked): off in
-#: dispatch until the tc-loggate-* GPU cases pass; ``CULA_KERNELS=kda_fwd_loggate`` opts in (kda_fwd itself
-#: takes them either way).
-LOG_GATE_VALIDATED = False
+#: Log-space gates declared bounded (safe_gate) on the tensor-core stage 1 (session 16): validated on an H200 in
+#: session 20 (tc-loggate-safe-varlen and tc-loggate-safe-floor PASS against the fp64 reference and FLA), so
+#: dispatch takes them; False sends them to FLA again unless ``CULA_KERNELS=kda_fwd_loggate``.
+LOG_GATE_VALIDATED = True
 LOG_GATE_OPT_IN = "kda_fwd_loggate"
 #: "u in stage 2" (session 17): with the tensor-core stage 1, stage 1 stops reading v and writing u and stores
 #: T' = bf16(T diag β) beside Aqk (and -w for w); stage 2 loads v by TMA and forms v_newᵀ = vᵀ T'ᵀ + Sᵀ(-w)ᵀ in
