@@ -156,13 +156,13 @@ def chunk_kda(
     Backends, in order: cula's SM90 ``kda_fwd`` kernel (Hopper, supported inputs, no gradients
     requested), FLA's Triton ``chunk_kda`` on CUDA, the chunked torch reference. The kernel takes q/k
     l2norm with the in-kernel gate, or with a log-space ``g`` the caller declares bounded (``safe_gate``,
-    FLA's contract for precomputed gates: clamped to ``[lower_bound, 0]``, ``lower_bound`` or -11); without ``lower_bound`` it clamps the softplus gate per token and
-    channel at -11 (a decay below e^-11 = 1.7e-5 counts as 1.7e-5: at most that relative change, far
-    under bf16 rounding); other inputs go to FLA when it is installed. Gradients: cula has no
-    KDA backward kernel yet; on Hopper a call that needs them and that the kernel serves can run our
-    forward under FLA's backward (``cula-sm90+fla-bwd``, opt-in with ``CULA_KERNELS=kda_fwd_train``
-    until validated on a GPU; docs/api.md), otherwise FLA on CUDA and the differentiable reference on
-    CPU.
+    FLA's contract for precomputed gates: clamped to ``[lower_bound, 0]``, ``lower_bound`` or -11); without
+    ``lower_bound`` it clamps the softplus gate per token and channel at -11 (a decay below e^-11 = 1.7e-5
+    counts as 1.7e-5: at most that relative change, far under bf16 rounding); other inputs go to FLA when
+    it is installed. Gradients: cula has no KDA backward kernel yet; on Hopper a call that needs them and
+    that the kernel serves can run our forward under FLA's backward (``cula-sm90+fla-bwd``, opt-in with
+    ``CULA_KERNELS=kda_fwd_train`` until validated on a GPU; docs/api.md), otherwise FLA on CUDA and the
+    differentiable reference on CPU.
     """
 
 

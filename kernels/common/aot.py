@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 #: one list with stage 1's (importing the kernel module costs nothing extra: kda_fwd imports it anyway)
+from cula.kernels.sm90.kda_fwd_intra_tc import GATE_FACTOR_MODES as _GATE_FACTOR_MODES
 from cula.kernels.sm90.kda_fwd_intra_tc import SAME_VALUE_DIAGS as _SAME_VALUE_DIAGS
 
 AOT_ENV = "CULA_AOT_DIR"
@@ -156,7 +157,7 @@ SCENARIOS = {
     **{f"diag_{d}": ("split", {"intra_tc.DIAG": (d,)}) for d in _SAME_VALUE_DIAGS},
     # device_round gate_factors: stage 1's factors by running products or 2^Γ by halves (intra_tc.GATE_FACTORS)
     # checks and splits
-    **{f"gate_{m}_{w}": (what, {"intra_tc.GATE_FACTORS": m}) for m in ("chain", "halves")
+    **{f"gate_{m}_{w}": (what, {"intra_tc.GATE_FACTORS": m}) for m in _GATE_FACTOR_MODES if m != "direct"
        for w, what in (("checks", "tc"), ("split", "split"))},
 }
 

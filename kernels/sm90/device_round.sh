@@ -214,7 +214,8 @@ for s in $steps; do
         # check cases with FLA for each, then direct / chain / halves splits twice (<= 560 s; GATE_MODES=halves: that
         # mode alone, <= 320 s)
         cases=tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
-        modes=${GATE_MODES:-chain halves}
+        modes=${GATE_MODES:-$(python3 -c "from cula.kernels.sm90.kda_fwd_intra_tc import GATE_FACTOR_MODES as m
+print(*(x for x in m if x != 'direct'))")}
         for m in $modes; do
             step gate_${m}_check 120 env CULA_KDA_TC_GATE_FACTORS=$m python3 -u -m cula.kernels.sm90.kda_fwd \
                 --check --no-bench --cases $cases

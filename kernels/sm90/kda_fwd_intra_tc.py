@@ -103,7 +103,7 @@ PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
 #: "direct" three exp2 (192 MUFU per thread); "chain" running products down a thread's 8 rows (after the first, each
 #: is the row above's times 2^(±g) of the row's own gate): two exp2 per element (136 MUFU per thread, 72 more
 #: instructions, a few fp32 ulps of drift); "halves" 2^Γ never formed: the products that need it, q·2^Γ and
-#: k·2^Γ, are (q·2^(Γ−C))·2^(C/2)·2^(C/2) from the q·2^(Γ−C) already formed (136 MUFU, same instruction count,
+#: k·2^Γ, are (q·2^(Γ−C))·2^(C/2)·2^(C/2) from the q·2^(Γ−C) already formed (136 MUFU, 24 more instructions,
 #: no drift; the halves keep every intermediate in range, see the branch). Opt-in until measured:
 #: ``CULA_KDA_TC_GATE_FACTORS``.
 GATE_FACTOR_MODES = ("direct", "chain", "halves")
