@@ -69,6 +69,11 @@ def test_scenarios_record_the_device_steps_launches():
             gc = [key for k, key, _, _ in aot.record_launches(scenario) if k == "intra_tc"]
             assert gc and all(dict(key[0]).get("gate_factors") == mode and dict(key[0])["t_out"] for key in gc)
     assert intra_tc.GATE_FACTORS == "direct"
+    # subst's modules: the default stage 1 with the right-looking diagonal substitution, in checks and splits
+    for scenario in ("subst_right_checks", "subst_right_split"):
+        sr = [key for k, key, _, _ in aot.record_launches(scenario) if k == "intra_tc"]
+        assert sr and all(dict(key[0]).get("subst") == "right" and dict(key[0])["t_out"] for key in sr)
+    assert intra_tc.SUBST == "left"
 
 
 def test_train_scenario_covers_the_training_gpu_tests(monkeypatch):

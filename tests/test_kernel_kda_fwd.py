@@ -124,7 +124,8 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_t_out", True), ("intra_tc_t_out_softplus_gva", True),
                                                ("intra_tc_signal", True), ("intra_tc_signal_t_out", True),
                                                ("intra_tc_t_out_diag_all", True), ("intra_tc_t_out_gate_chain", True),
-                                               ("intra_tc_t_out_gate_halves", True)])
+                                               ("intra_tc_t_out_gate_halves", True),
+                                               ("intra_tc_t_out_subst_right", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report

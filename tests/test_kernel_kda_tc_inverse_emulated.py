@@ -32,12 +32,13 @@ def _strictly_lower(seed: int, decay: float) -> torch.Tensor:
     return torch.tril(a, -1)
 
 
-def run_invert(a: torch.Tensor) -> torch.Tensor:
+def run_invert(a: torch.Tensor, subst: str = "left") -> torch.Tensor:
     ns = {"cute": emu.cute, "cutlass": emu.cutlass, "F32": emu.cutlass.Float32}
     ns["_vec"] = emu.rebind(tc._vec, ns)
     invert = emu.rebind(tc.KdaFwdIntraTC.invert, ns)
     tile = emu.rebind(tc.KdaFwdIntraTC._tile_product, ns)
     diagonal = emu.rebind(tc.KdaFwdIntraTC.diagonal_blocks, ns)
+    right = emu.rebind(tc.KdaFwdIntraTC.substitute_right, ns)
     lower_left = emu.rebind(tc.KdaFwdIntraTC.lower_left_simt, ns)
 
     class Cfg:
@@ -46,6 +47,8 @@ def run_invert(a: torch.Tensor) -> torch.Tensor:
     cfg = Cfg()
     cfg._tile_product = lambda *args: tile(cfg, *args)
     cfg.diagonal_blocks = lambda *args: diagonal(cfg, *args)
+    cfg.subst = subst  # the diagonal blocks' substitution order (tc.SUBST_MODES)
+    cfg.substitute_right = lambda *args: right(cfg, *args)
     # the fp32 SIMT lower-left block (INV_WGMMA=0); the default kernel forms that block on wgmma, which
     # the emulator cannot run: the GPU checks cover it
     cfg.inv_wgmma = False
@@ -74,13 +77,14 @@ def run_invert(a: torch.Tensor) -> torch.Tensor:
     return t_mem[:, :64]
 
 
+@pytest.mark.parametrize("subst", tc.SUBST_MODES)
 @pytest.mark.parametrize("seed,decay", [(0, 0.02), (1, 0.5), (3, 0.1)])
-def test_invert_source_matches_the_exact_inverse(seed, decay):
+def test_invert_source_matches_the_exact_inverse(seed, decay, subst):
     """The kernel's inverse source (substitutions, doubling products, the SIMT lower-left block) run by
     the CPU emulator gives the exact T."""
     a = _strictly_lower(seed, decay)
     want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + a)
-    got = run_invert(a)
+    got = run_invert(a, subst)
     # the kernel writes T on and below the diagonal blocks; the upper blocks of its sT are never read
     lower = torch.ones(64, 64, dtype=torch.bool).tril()
     blocks = (torch.arange(64)[:, None] // tc.SUB) >= (torch.arange(64)[None, :] // tc.SUB)
@@ -91,12 +95,14 @@ def test_invert_source_matches_the_exact_inverse(seed, decay):
     assert (got[:16, 16:32] == 0).all() and (got[32:48, 48:64] == 0).all()
 
 
-def test_invert_check_can_fail():
+@pytest.mark.parametrize("at", [(40, 3), (37, 34)])  # an off-diagonal block, a diagonal block
+@pytest.mark.parametrize("subst", tc.SUBST_MODES)
+def test_invert_check_can_fail(subst, at):
     """A planted error (one wrong entry of A after the kernel's copy) changes T beyond the tolerance."""
     a = _strictly_lower(2, 0.02)
     want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + a)
     bad = a.clone()
-    bad[40, 3] += 0.5
-    got = run_invert(bad)
+    bad[at] += 0.5
+    got = run_invert(bad, subst)
     lower = torch.ones(64, 64, dtype=torch.bool).tril()
     assert (got.double() - want)[lower].norm() / want[lower].norm() > 1e-3

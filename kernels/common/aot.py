@@ -30,6 +30,7 @@ from typing import Any
 
 #: one list with stage 1's (importing the kernel module costs nothing extra: kda_fwd imports it anyway)
 from cula.kernels.sm90.kda_fwd_intra_tc import GATE_FACTOR_MODES as _GATE_FACTOR_MODES
+from cula.kernels.sm90.kda_fwd_intra_tc import SUBST_MODES as _SUBST_MODES
 from cula.kernels.sm90.kda_fwd_intra_tc import SAME_VALUE_DIAGS as _SAME_VALUE_DIAGS
 
 AOT_ENV = "CULA_AOT_DIR"
@@ -158,6 +159,9 @@ SCENARIOS = {
     # device_round gate_factors: stage 1's factors by running products or 2^Γ by halves (intra_tc.GATE_FACTORS)
     # checks and splits
     **{f"gate_{m}_{w}": (what, {"intra_tc.GATE_FACTORS": m}) for m in _GATE_FACTOR_MODES if m != "direct"
+       for w, what in (("checks", "tc"), ("split", "split"))},
+    # device_round subst: the inverse's diagonal blocks right-looking from registers (intra_tc.SUBST)
+    **{f"subst_{m}_{w}": (what, {"intra_tc.SUBST": m}) for m in _SUBST_MODES if m != "left"
        for w, what in (("checks", "tc"), ("split", "split"))},
 }
 

@@ -224,6 +224,16 @@ print(*(x for x in m if x != 'direct'))")}
             step gate_split_$m 50 env CULA_KDA_TC_GATE_FACTORS=$m python3 -u -m cula.kernels.sm90.kda_fwd --check \
                 --split worst
         done ;;
+    subst)  # session 21: the inverse's diagonal blocks substituted right-looking from registers (CULA_KDA_TC_SUBST,
+        # CPU-compiled and emulated only; AOT scenarios subst_right_*): the tensor-core check cases with FLA, then
+        # left / right splits twice (<= 320 s)
+        cases=tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
+        step subst_right_check 120 env CULA_KDA_TC_SUBST=right python3 -u -m cula.kernels.sm90.kda_fwd --check \
+            --no-bench --cases $cases
+        for m in left right left right; do
+            step subst_split_$m 50 env CULA_KDA_TC_SUBST=$m python3 -u -m cula.kernels.sm90.kda_fwd --check \
+                --split worst
+        done ;;
     u_in_recur)  # session 17: u formed in stage 2 from T' and v (CULA_KDA_U_IN_RECUR, CPU-compiled only): the
         # tensor-core check cases (varlen partial chunks, zero-length segments, GVA, V-first, both gate forms,
         # initial and final state), then the GPU tests without a state and the partial chunk before an Inf

@@ -660,6 +660,8 @@ def kda_fwd(
             tc_flags.update(log_gate=True, has_a_log=False, has_dt_bias=False)
         if intra_tc.GATE_FACTORS != "direct":  # only set, so the keys of the default stay as before
             tc_flags.update(gate_factors=intra_tc.GATE_FACTORS)
+        if intra_tc.SUBST != "left":  # only set, so the keys of the default stay as before
+            tc_flags.update(subst=intra_tc.SUBST)
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
             warnings.warn(f"CULA_KDA_TC_DIAG={','.join(intra_tc.DIAG)}: stage 1's outputs are wrong (timing only)",
                           RuntimeWarning, stacklevel=2)

@@ -108,6 +108,12 @@ PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
 #: ``CULA_KDA_TC_GATE_FACTORS``.
 GATE_FACTOR_MODES = ("direct", "chain", "halves")
 GATE_FACTORS = __import__("os").environ.get("CULA_KDA_TC_GATE_FACTORS", "direct")
+#: How the inverse's four 16x16 diagonal blocks are substituted (session 21): "left" a row's dot product at a
+#: time, its A row loaded just before (chains of ~64 FMAs and 16 shared loads); "right" the block's A in
+#: registers first, then each final entry updates every later row (a 15-FMA chain; same terms, same order).
+#: Opt-in until measured: ``CULA_KDA_TC_SUBST``.
+SUBST_MODES = ("left", "right")
+SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "left")
 #: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
 #: kda_fwd warns): which part of stage 1's time is memory. They apply to whichever stage 1 is the default
 #: (since session 18 u in stage 2's, ``t_out``). ``l2_loads``: every CTA reads its head's first rows (L2 hits
@@ -154,6 +160,7 @@ class KdaFwdIntraTC:
         signal: bool = False,
         diag: tuple = (),
         gate_factors: str = "direct",
+        subst: str = "left",
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -187,6 +194,9 @@ class KdaFwdIntraTC:
             raise ValueError(f"gate_factors (CULA_KDA_TC_GATE_FACTORS): expected one of {GATE_FACTOR_MODES}, "
                              f"got {gate_factors!r}")
         self.gate_factors = gate_factors  # GATE_FACTORS
+        if subst not in SUBST_MODES:
+            raise ValueError(f"subst (CULA_KDA_TC_SUBST): expected one of {SUBST_MODES}, got {subst!r}")
+        self.subst = subst  # SUBST
         # when to signal griddepcontrol.launch_dependents: "start" (on entry: stage 2, launched with
         # programmatic dependent launch, may start once every CTA of this grid is resident, i.e. during
         # the last wave), "end" (after the chunk's work) or "" (never: stage 2 starts at this grid's end)
@@ -1120,7 +1130,14 @@ class KdaFwdIntraTC:
         """Step 1 of :meth:`invert`: warp w < 4, lanes 0..15, column ``lane`` of the 16x16 diagonal block w
         by forward substitution; lanes 16..31 of warps 0 and 2 zero the blocks (0,1) and (2,3)."""
         base = warp * SUB
-        if lane < SUB:
+        if cutlass.const_expr(self.subst == "right"):
+            if lane < SUB:
+                self.substitute_right(pA, sT, base, lane)
+            else:
+                if warp % 2 == 0:
+                    for i in cutlass.range_constexpr(SUB):
+                        sT[base + i, base + lane] = F32(0.0)
+        elif lane < SUB:
             col = cute.make_rmem_tensor(cute.make_layout(SUB), F32)
             arow = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), F32)
             for i in cutlass.range_constexpr(SUB):
@@ -1142,6 +1159,31 @@ class KdaFwdIntraTC:
             if warp % 2 == 0:
                 for i in cutlass.range_constexpr(SUB):
                     sT[base + i, base + lane] = F32(0.0)
+
+    @cute.jit
+    def substitute_right(self, pA: cute.Pointer, sT: cute.Tensor, base, lane):
+        """Column ``lane`` of the inverse of the 16x16 diagonal block at ``base`` (``subst="right"``).
+
+        The block's strictly lower part of A comes into registers first (36 16-byte loads, none waiting on a
+        store to sT), then the substitution runs column by column of A: once T[j] is final, every later row
+        takes its term at once. A row's value is final one FMA after the row above's, so the dependent chain is
+        15 FMAs long instead of a row's dot product per row (the left-looking form below: ~64 FMAs in chains
+        and a shared load before each row); the sums are the same terms in the same order as a single
+        accumulator's.
+        """
+        arow = cute.make_rmem_tensor(cute.make_layout((SUB, SUB // 4, 4), stride=(SUB, 4, 1)), F32)
+        for i in cutlass.range_constexpr(1, SUB):
+            for q in cutlass.range_constexpr((i + 3) // 4):  # columns 0 .. i-1 as whole 4-vectors
+                cute.autovec_copy(_vec(pA, (base + i) * PAD + base + 4 * q, 4), arow[i, q, None])
+        acc = cute.make_rmem_tensor(cute.make_layout(SUB), F32)
+        for i in cutlass.range_constexpr(SUB):
+            acc[i] = F32(0.0)
+            if lane == i:
+                acc[i] = F32(1.0)
+        for j in cutlass.range_constexpr(SUB):
+            sT[base + j, base + lane] = acc[j]
+            for i in cutlass.range_constexpr(j + 1, SUB):
+                acc[i] = acc[i] - arow[i, j // 4, j % 4] * acc[j]
 
     @cute.jit
     def _tile_product(self, pL: cute.Pointer, ldl: cutlass.Constexpr, row0, k0l, pR: cute.Pointer,
@@ -1282,6 +1324,8 @@ def compile_targets():
         # phase 2's factors by running products, or 2^Γ by halves (GATE_FACTORS), on the default stage 1
         "t_out_gate_chain": build(cutlass.BFloat16, **full, t_out=True, gate_factors="chain"),
         "t_out_gate_halves": build(cutlass.BFloat16, **full, t_out=True, gate_factors="halves"),
+        # the inverse's diagonal blocks substituted right-looking from registers (SUBST)
+        "t_out_subst_right": build(cutlass.BFloat16, **full, t_out=True, subst="right"),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
         "log_gate": build(cutlass.Float32, **{**full, "has_a_log": False, "has_dt_bias": False}, log_gate=True),
     }
