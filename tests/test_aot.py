@@ -63,17 +63,12 @@ def test_scenarios_record_the_device_steps_launches():
     dg = [key for k, key, _, _ in aot.record_launches("diag_no_wu_store") if k == "intra_tc"]
     assert dg and all(dict(key[0])["diag"] == ("no_wu_store",) and dict(key[0])["t_out"] for key in dg)
     assert intra_tc.DIAG == ()
-    # gate_factors' modules: the default stage 1 with running-product or halved factors, in checks and splits
-    for mode in ("chain", "halves"):
-        for scenario in (f"gate_{mode}_checks", f"gate_{mode}_split"):
-            gc = [key for k, key, _, _ in aot.record_launches(scenario) if k == "intra_tc"]
-            assert gc and all(dict(key[0]).get("gate_factors") == mode and dict(key[0])["t_out"] for key in gc)
-    assert intra_tc.GATE_FACTORS == "direct"
-    # subst's modules: the default stage 1 with the right-looking diagonal substitution, in checks and splits
-    for scenario in ("subst_right_checks", "subst_right_split"):
-        sr = [key for k, key, _, _ in aot.record_launches(scenario) if k == "intra_tc"]
-        assert sr and all(dict(key[0]).get("subst") == "right" and dict(key[0])["t_out"] for key in sr)
-    assert intra_tc.SUBST == "left"
+    # gate_factors' and subst's modules: the default stage 1 with the other factor form or substitution order
+    for name, key, mode in (("gate", "gate_factors", "direct"), ("subst", "subst", "left")):
+        for scenario in (f"{name}_{mode}_checks", f"{name}_{mode}_split"):
+            alt = [k_ for k, k_, _, _ in aot.record_launches(scenario) if k == "intra_tc"]
+            assert alt and all(dict(k_[0]).get(key) == mode and dict(k_[0])["t_out"] for k_ in alt)
+    assert (intra_tc.GATE_FACTORS, intra_tc.SUBST) == ("halves", "right")
 
 
 def test_train_scenario_covers_the_training_gpu_tests(monkeypatch):

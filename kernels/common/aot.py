@@ -156,13 +156,13 @@ SCENARIOS = {
     "train": ("train", {}),
     # device_round diag_split: the split rows with each of stage 1's timing diagnostics (kda_fwd_intra_tc.DIAG)
     **{f"diag_{d}": ("split", {"intra_tc.DIAG": (d,)}) for d in _SAME_VALUE_DIAGS},
-    # device_round gate_factors: stage 1's factors by running products or 2^Γ by halves (intra_tc.GATE_FACTORS)
-    # checks and splits
-    **{f"gate_{m}_{w}": (what, {"intra_tc.GATE_FACTORS": m}) for m in _GATE_FACTOR_MODES if m != "direct"
+    # device_round gate_factors / subst: the default stage 1 with the pre-session-21 factors (2^Γ by exp2) or
+    # substitution (left-looking), in checks and splits (the first mode of each list is the default)
+    **{f"gate_{m}_{w}": (what, {"intra_tc.GATE_FACTORS": m}) for m in _GATE_FACTOR_MODES[1:]
        for w, what in (("checks", "tc"), ("split", "split"))},
-    # device_round subst: the inverse's diagonal blocks right-looking from registers (intra_tc.SUBST)
-    **{f"subst_{m}_{w}": (what, {"intra_tc.SUBST": m}) for m in _SUBST_MODES if m != "left"
+    **{f"subst_{m}_{w}": (what, {"intra_tc.SUBST": m}) for m in _SUBST_MODES[1:]
        for w, what in (("checks", "tc"), ("split", "split"))},
+    "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 
 

@@ -209,30 +209,20 @@ for s in $steps; do
             step diag_split_$d 100 env CULA_KDA_TC_DIAG=$dv python3 -u -m cula.kernels.sm90.kda_fwd --check \
                 --split worst
         done ;;
-    gate_factors)  # sessions 19-20: stage 1's phase-2 factors (CULA_KDA_TC_GATE_FACTORS, CPU-compiled only; AOT
-        # scenarios gate_{chain,halves}_*): running products ("chain") and 2^Γ by halves ("halves"): the tensor-core
-        # check cases with FLA for each, then direct / chain / halves splits twice (<= 560 s; GATE_MODES=halves: that
-        # mode alone, <= 320 s)
+    s21_defaults)  # session 21's defaults together (halves factors + right-looking substitution; each was checked
+        # and timed alone on an H100, the pair only on the CPU): the six tensor-core check cases with FLA, then
+        # splits of the default against the pre-session-21 stage 1 (direct, left) and each change alone (<= 420 s;
+        # AOT scenarios gate_direct_*, subst_left_*, pre21_split)
         cases=tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
-        modes=${GATE_MODES:-$(python3 -c "from cula.kernels.sm90.kda_fwd_intra_tc import GATE_FACTOR_MODES as m
-print(*(x for x in m if x != 'direct'))")}
-        for m in $modes; do
-            step gate_${m}_check 120 env CULA_KDA_TC_GATE_FACTORS=$m python3 -u -m cula.kernels.sm90.kda_fwd \
-                --check --no-bench --cases $cases
-        done
-        for m in direct $modes direct $modes; do
-            step gate_split_$m 50 env CULA_KDA_TC_GATE_FACTORS=$m python3 -u -m cula.kernels.sm90.kda_fwd --check \
-                --split worst
-        done ;;
-    subst)  # session 21: the inverse's diagonal blocks substituted right-looking from registers (CULA_KDA_TC_SUBST,
-        # CPU-compiled and emulated only; AOT scenarios subst_right_*): the tensor-core check cases with FLA, then
-        # left / right splits twice (<= 320 s)
-        cases=tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
-        step subst_right_check 120 env CULA_KDA_TC_SUBST=right python3 -u -m cula.kernels.sm90.kda_fwd --check \
-            --no-bench --cases $cases
-        for m in left right left right; do
-            step subst_split_$m 50 env CULA_KDA_TC_SUBST=$m python3 -u -m cula.kernels.sm90.kda_fwd --check \
-                --split worst
+        step s21_check 200 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $cases
+        for m in default pre21 direct left default pre21; do
+            envs=""
+            case $m in
+            pre21) envs="CULA_KDA_TC_GATE_FACTORS=direct CULA_KDA_TC_SUBST=left" ;;
+            direct) envs="CULA_KDA_TC_GATE_FACTORS=direct" ;;
+            left) envs="CULA_KDA_TC_SUBST=left" ;;
+            esac
+            step s21_split_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
         done ;;
     u_in_recur)  # session 17: u formed in stage 2 from T' and v (CULA_KDA_U_IN_RECUR, CPU-compiled only): the
         # tensor-core check cases (varlen partial chunks, zero-length segments, GVA, V-first, both gate forms,

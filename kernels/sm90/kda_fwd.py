@@ -658,9 +658,9 @@ def kda_fwd(
             tc_flags.update(signal=True)
         if log_tc:
             tc_flags.update(log_gate=True, has_a_log=False, has_dt_bias=False)
-        if intra_tc.GATE_FACTORS != "direct":  # only set, so the keys of the default stay as before
+        if intra_tc.GATE_FACTORS != intra_tc.GATE_FACTOR_MODES[0]:  # A/B runs only: the default keys stay short
             tc_flags.update(gate_factors=intra_tc.GATE_FACTORS)
-        if intra_tc.SUBST != "left":  # only set, so the keys of the default stay as before
+        if intra_tc.SUBST != intra_tc.SUBST_MODES[0]:
             tc_flags.update(subst=intra_tc.SUBST)
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
             warnings.warn(f"CULA_KDA_TC_DIAG={','.join(intra_tc.DIAG)}: stage 1's outputs are wrong (timing only)",

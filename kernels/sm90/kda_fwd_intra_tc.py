@@ -99,21 +99,22 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: 2.29x -> 2.39x). Session 6's TMA bulk prefetch of the same rows was 1-12% slower (the per-thread form
 #: also won over the bulk one in stage 2, session 8). ``CULA_KDA_TC_PREFETCH`` sets it for A/B runs.
 PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
-#: How phase 2 forms its three reference factors 2^(Γ−C), 2^(C−Γ), 2^Γ per element (kda_fwd.md, sessions 19-20):
-#: "direct" three exp2 (192 MUFU per thread); "chain" running products down a thread's 8 rows (after the first, each
-#: is the row above's times 2^(±g) of the row's own gate): two exp2 per element (136 MUFU per thread, 72 more
-#: instructions, a few fp32 ulps of drift); "halves" 2^Γ never formed: the products that need it, q·2^Γ and
-#: k·2^Γ, are (q·2^(Γ−C))·2^(C/2)·2^(C/2) from the q·2^(Γ−C) already formed (136 MUFU, 24 more instructions,
-#: no drift; the halves keep every intermediate in range, see the branch). Opt-in until measured:
-#: ``CULA_KDA_TC_GATE_FACTORS``.
-GATE_FACTOR_MODES = ("direct", "chain", "halves")
-GATE_FACTORS = __import__("os").environ.get("CULA_KDA_TC_GATE_FACTORS", "direct")
-#: How the inverse's four 16x16 diagonal blocks are substituted (session 21): "left" a row's dot product at a
-#: time, its A row loaded just before (chains of ~64 FMAs and 16 shared loads); "right" the block's A in
-#: registers first, then each final entry updates every later row (a 15-FMA chain; same terms, same order).
-#: Opt-in until measured: ``CULA_KDA_TC_SUBST``.
-SUBST_MODES = ("left", "right")
-SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "left")
+#: How phase 2 forms its reference factors per element (kda_fwd.md, sessions 20-21): "halves" (the default since
+#: session 21) 2^(Γ−C) and 2^(C−Γ) by exp2, 2^Γ never formed: the products that need it, q·2^Γ and k·2^Γ, are
+#: (q·2^(Γ−C))·2^(C/2)·2^(C/2) from the q·2^(Γ−C) already formed (136 MUFU per thread, no drift; the halves keep
+#: every intermediate in range, see the branch); "direct" also 2^Γ by exp2 (192 MUFU, 24 fewer instructions).
+#: Session 21 (H100, `--split worst`, twice each): halves 0.8% faster than direct at B2 T16384 and 1.3-1.7% on
+#: the n20 rows, six tc checks PASS. (Session 19's running products, "chain", with the same MUFU saving, more
+#: instructions and a few ulps of drift, were removed unmeasured.) ``CULA_KDA_TC_GATE_FACTORS=direct`` for A/B.
+GATE_FACTOR_MODES = ("halves", "direct")
+GATE_FACTORS = __import__("os").environ.get("CULA_KDA_TC_GATE_FACTORS", "halves")
+#: How the inverse's four 16x16 diagonal blocks are substituted (session 21): "right" (the default) the block's A
+#: in registers first, then each final entry updates every later row (a 15-FMA chain; same terms, same order);
+#: "left" a row's dot product at a time, its A row loaded just before (chains of ~64 FMAs and 16 shared loads).
+#: Session 21 (H100, `--split worst`, twice each): right 3.0% faster at B2 T16384 (stage 1 1.887 -> 1.830 ms),
+#: 1.3-1.7% on the n20 rows. ``CULA_KDA_TC_SUBST=left`` for A/B.
+SUBST_MODES = ("right", "left")
+SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
 #: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
 #: kda_fwd warns): which part of stage 1's time is memory. They apply to whichever stage 1 is the default
 #: (since session 18 u in stage 2's, ``t_out``). ``l2_loads``: every CTA reads its head's first rows (L2 hits
@@ -159,8 +160,8 @@ class KdaFwdIntraTC:
         t_out: bool = False,
         signal: bool = False,
         diag: tuple = (),
-        gate_factors: str = "direct",
-        subst: str = "left",
+        gate_factors: str = "halves",
+        subst: str = "right",
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -683,13 +684,7 @@ class KdaFwdIntraTC:
         rq = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         rk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         kgt = cute.make_rmem_tensor(cute.make_layout((COLS_PER_THREAD, rpt), stride=(rpt, 1)), BF16)  # [c][rr]
-        # "chain": the row above's 2^(Γ−C), 2^(C−Γ), 2^Γ (the ranges are the direct ones': within a 16-row
-        # block |Γ − C| <= shift; 2^Γ <= 1 flushes to zero where the direct exp2 does, and stays there)
-        chain = self.gate_factors == "chain"
         halves = self.gate_factors == "halves"
-        fa_up = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
-        fb_up = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
-        fg_up = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         # "halves": Γ − C = gl + (pre − C), and 2^Γ = 2^(Γ−C) h h with h = 2^(C/2). C <= 0 (Γ of the block's
         # first row less shift >= 0), so 2^(Γ−C) h = 2^(Γ − C/2) lies between 2^Γ and 2^(Γ−C) <= 2^shift <
         # 2^128: nothing overflows, and an intermediate that underflows has a result that does too. h itself
@@ -724,13 +719,7 @@ class KdaFwdIntraTC:
             xx = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             qg = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
-                if cutlass.const_expr(chain and rr > 0):
-                    step = gl[rr, c] - gl[rr - 1, c]  # this token's log2 decay (<= 0; 0 past the end)
-                    up = cute.math.exp2(step, fastmath=True)
-                    fa = fa_up[c] * up
-                    fb = fb_up[c] * cute.math.exp2(-step, fastmath=True)
-                    fg = fg_up[c] * up
-                elif cutlass.const_expr(halves):
+                if cutlass.const_expr(halves):
                     rel_h = gl[rr, c] + pc[c]
                     fa = cute.math.exp2(rel_h, fastmath=True)  # <= 2^shift
                     fb = cute.math.exp2(-rel_h, fastmath=True)  # <= 2^shift
@@ -740,10 +729,6 @@ class KdaFwdIntraTC:
                     fa = cute.math.exp2(rel_c, fastmath=True)  # <= 2^shift
                     fb = cute.math.exp2(-rel_c, fastmath=True)  # <= 2^shift
                     fg = cute.math.exp2(gam, fastmath=True)  # <= 1
-                if cutlass.const_expr(chain):
-                    fa_up[c] = fa
-                    fb_up[c] = fb
-                    fg_up[c] = fg
                 ka[c] = rk[c] * fa
                 qa[c] = rq[c] * fa
                 kt[c] = rk[c] * fb
@@ -1321,11 +1306,11 @@ def compile_targets():
         "signal_t_out": build(cutlass.BFloat16, **full, signal=True, t_out=True),
         # the timing diagnostics on the default stage 1 (device_round diag_split)
         "t_out_diag_all": build(cutlass.BFloat16, **full, t_out=True, diag=SAME_VALUE_DIAGS),
-        # phase 2's factors by running products, or 2^Γ by halves (GATE_FACTORS), on the default stage 1
-        "t_out_gate_chain": build(cutlass.BFloat16, **full, t_out=True, gate_factors="chain"),
-        "t_out_gate_halves": build(cutlass.BFloat16, **full, t_out=True, gate_factors="halves"),
-        # the inverse's diagonal blocks substituted right-looking from registers (SUBST)
-        "t_out_subst_right": build(cutlass.BFloat16, **full, t_out=True, subst="right"),
+        # the pre-session-21 forms on the default stage 1: 2^Γ by exp2 (GATE_FACTORS), left-looking substitution
+        # (SUBST), both (PTX byte-identical to 744476b's t_out)
+        "t_out_gate_direct": build(cutlass.BFloat16, **full, t_out=True, gate_factors="direct"),
+        "t_out_subst_left": build(cutlass.BFloat16, **full, t_out=True, subst="left"),
+        "t_out_direct_left": build(cutlass.BFloat16, **full, t_out=True, gate_factors="direct", subst="left"),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
         "log_gate": build(cutlass.Float32, **{**full, "has_a_log": False, "has_dt_bias": False}, log_gate=True),
     }
