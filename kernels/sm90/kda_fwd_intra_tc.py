@@ -103,7 +103,7 @@ PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
 #: session 21) 2^(Γ−C) and 2^(C−Γ) by exp2, 2^Γ never formed: the products that need it, q·2^Γ and k·2^Γ, are
 #: (q·2^(Γ−C))·2^(C/2)·2^(C/2) from the q·2^(Γ−C) already formed (136 MUFU per thread, no drift; the halves keep
 #: every intermediate in range, see the branch); "direct" also 2^Γ by exp2 (192 MUFU, 24 fewer instructions).
-#: Session 21 (H100, `--split worst`, twice each): halves 0.8% faster than direct at B2 T16384 and 1.3-1.7% on
+#: Session 21 (H100, `--split worst`, twice each): halves 0.8% faster than direct at B2 T16384 and 1.2-1.9% on
 #: the n20 rows, six tc checks PASS. (Session 19's running products, "chain", with the same MUFU saving, more
 #: instructions and a few ulps of drift, were removed unmeasured.) ``CULA_KDA_TC_GATE_FACTORS=direct`` for A/B.
 GATE_FACTOR_MODES = ("halves", "direct")
@@ -112,7 +112,7 @@ GATE_FACTORS = __import__("os").environ.get("CULA_KDA_TC_GATE_FACTORS", "halves"
 #: in registers first, then each final entry updates every later row (a 15-FMA chain; same terms, same order);
 #: "left" a row's dot product at a time, its A row loaded just before (chains of ~64 FMAs and 16 shared loads).
 #: Session 21 (H100, `--split worst`, twice each): right 3.0% faster at B2 T16384 (stage 1 1.887 -> 1.830 ms),
-#: 1.3-1.7% on the n20 rows. ``CULA_KDA_TC_SUBST=left`` for A/B.
+#: 1.3-1.4% on the n20 rows. ``CULA_KDA_TC_SUBST=left`` for A/B.
 SUBST_MODES = ("right", "left")
 SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
 #: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
