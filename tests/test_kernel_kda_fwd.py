@@ -230,9 +230,9 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         if target == "intra_tc_t_out":  # -w from -X, more negations than the diagnostic without T' (ptxas
             # folds them): with the halved factors X's sign rides on -2^(C/2), one per column (8); 2^Γ by exp2
             # negates each k̂ (64)
-            from cula.kernels.sm90.kda_fwd_intra_tc import KdaFwdIntraTC
+            from cula.kernels.sm90.kda_fwd_intra_tc import GATE_FACTOR_MODES
 
-            halves = KdaFwdIntraTC(True, True, True, True, False, 1).gate_factors == "halves"
+            halves = GATE_FACTOR_MODES[0] == "halves"  # the class's default
             base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_diag_no_v_u")
             assert rep.count("neg.f32") == base.count("neg.f32") + (8 if halves else 64)
 

@@ -30,8 +30,8 @@ from typing import Any
 
 #: one list with stage 1's (importing the kernel module costs nothing extra: kda_fwd imports it anyway)
 from cula.kernels.sm90.kda_fwd_intra_tc import GATE_FACTOR_MODES as _GATE_FACTOR_MODES
-from cula.kernels.sm90.kda_fwd_intra_tc import SUBST_MODES as _SUBST_MODES
 from cula.kernels.sm90.kda_fwd_intra_tc import SAME_VALUE_DIAGS as _SAME_VALUE_DIAGS
+from cula.kernels.sm90.kda_fwd_intra_tc import SUBST_MODES as _SUBST_MODES
 
 AOT_ENV = "CULA_AOT_DIR"
 HOST_ARCH_ENV = "sm_90"  # the environment's arch while compiling: differs from GPU_ARCH, so no host JIT

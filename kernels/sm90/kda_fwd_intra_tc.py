@@ -160,8 +160,8 @@ class KdaFwdIntraTC:
         t_out: bool = False,
         signal: bool = False,
         diag: tuple = (),
-        gate_factors: str = "halves",
-        subst: str = "right",
+        gate_factors: str = GATE_FACTOR_MODES[0],
+        subst: str = SUBST_MODES[0],
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -1115,31 +1115,27 @@ class KdaFwdIntraTC:
         """Step 1 of :meth:`invert`: warp w < 4, lanes 0..15, column ``lane`` of the 16x16 diagonal block w
         by forward substitution; lanes 16..31 of warps 0 and 2 zero the blocks (0,1) and (2,3)."""
         base = warp * SUB
-        if cutlass.const_expr(self.subst == "right"):
-            if lane < SUB:
+        if lane < SUB:
+            if cutlass.const_expr(self.subst == "right"):
                 self.substitute_right(pA, sT, base, lane)
             else:
-                if warp % 2 == 0:
-                    for i in cutlass.range_constexpr(SUB):
-                        sT[base + i, base + lane] = F32(0.0)
-        elif lane < SUB:
-            col = cute.make_rmem_tensor(cute.make_layout(SUB), F32)
-            arow = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), F32)
-            for i in cutlass.range_constexpr(SUB):
-                # row i of the diagonal block, columns 0 .. i-1 (as whole 4-vectors: the rest is unused)
-                for q in cutlass.range_constexpr((i + 3) // 4):
-                    cute.autovec_copy(_vec(pA, (base + i) * PAD + base + 4 * q, 4), arow[q, None])
-                acc0 = F32(0.0)
-                acc1 = F32(0.0)  # two partial sums halve the dependency chain (four measured no faster)
-                if lane == i:
-                    acc0 = F32(1.0)
-                for j in cutlass.range_constexpr(i):
-                    if cutlass.const_expr(j % 2 == 0):
-                        acc0 = acc0 - arow[j // 4, j % 4] * col[j]
-                    else:
-                        acc1 = acc1 - arow[j // 4, j % 4] * col[j]
-                col[i] = acc0 + acc1
-                sT[base + i, base + lane] = col[i]
+                col = cute.make_rmem_tensor(cute.make_layout(SUB), F32)
+                arow = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), F32)
+                for i in cutlass.range_constexpr(SUB):
+                    # row i of the diagonal block, columns 0 .. i-1 (as whole 4-vectors: the rest is unused)
+                    for q in cutlass.range_constexpr((i + 3) // 4):
+                        cute.autovec_copy(_vec(pA, (base + i) * PAD + base + 4 * q, 4), arow[q, None])
+                    acc0 = F32(0.0)
+                    acc1 = F32(0.0)  # two partial sums halve the dependency chain (four measured no faster)
+                    if lane == i:
+                        acc0 = F32(1.0)
+                    for j in cutlass.range_constexpr(i):
+                        if cutlass.const_expr(j % 2 == 0):
+                            acc0 = acc0 - arow[j // 4, j % 4] * col[j]
+                        else:
+                            acc1 = acc1 - arow[j // 4, j % 4] * col[j]
+                    col[i] = acc0 + acc1
+                    sT[base + i, base + lane] = col[i]
         else:
             if warp % 2 == 0:
                 for i in cutlass.range_constexpr(SUB):
