@@ -29,6 +29,22 @@ if [ -d .device/aot ] && [ -z "${CULA_AOT_DIR:-}" ]; then
     export CULA_AOT_DIR=$PWD/.device/aot
     echo "== aot: $(ls .device/aot | wc -l) modules in $CULA_AOT_DIR"
 fi
+s21_check() {
+    local cases=tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
+    step s21_check 200 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $cases
+}
+s21_splits() {  # the default against the pre-session-21 stage 1 and each change alone, twice in turn
+    local m envs
+    for m in default pre21 direct left default pre21; do
+        envs=""
+        case $m in
+        pre21) envs="CULA_KDA_TC_GATE_FACTORS=direct CULA_KDA_TC_SUBST=left" ;;
+        direct) envs="CULA_KDA_TC_GATE_FACTORS=direct" ;;
+        left) envs="CULA_KDA_TC_SUBST=left" ;;
+        esac
+        step s21_split_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
+    done
+}
 for s in $steps; do
     case $s in
     decode)  # the decode host fast path (session 4, CPU-only so far): GPU tests, then decode_bench
@@ -213,17 +229,11 @@ for s in $steps; do
         # and timed alone on an H100, the pair only on the CPU): the six tensor-core check cases with FLA, then
         # splits of the default against the pre-session-21 stage 1 (direct, left) and each change alone (<= 420 s;
         # AOT scenarios gate_direct_*, subst_left_*, pre21_split)
-        cases=tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
-        step s21_check 200 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $cases
-        for m in default pre21 direct left default pre21; do
-            envs=""
-            case $m in
-            pre21) envs="CULA_KDA_TC_GATE_FACTORS=direct CULA_KDA_TC_SUBST=left" ;;
-            direct) envs="CULA_KDA_TC_GATE_FACTORS=direct" ;;
-            left) envs="CULA_KDA_TC_SUBST=left" ;;
-            esac
-            step s21_split_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
-        done ;;
+        s21_check; s21_splits ;;
+    s21_check)  # the first half of s21_defaults alone (an H200 call: the checks, then the suites)
+        s21_check ;;
+    s21_splits)  # the second half
+        s21_splits ;;
     u_in_recur)  # session 17: u formed in stage 2 from T' and v (CULA_KDA_U_IN_RECUR, CPU-compiled only): the
         # tensor-core check cases (varlen partial chunks, zero-length segments, GVA, V-first, both gate forms,
         # initial and final state), then the GPU tests without a state and the partial chunk before an Inf
