@@ -154,6 +154,18 @@ def opted_in(kernel: str) -> bool:
     return kernel in wanted or "all" in wanted
 
 
+#: Environment variable naming kernels or paths dispatch passes over although they are on (comma list of kernel
+#: or opt-in names, or ``all``): the way back to FLA for an op without changing the import. It wins over
+#: ``CULA_KERNELS``; naming a kernel (``kda_fwd``) also turns off the paths that run it (``kda_fwd_train``).
+OPT_OUT_ENV = "CULA_KERNELS_OFF"
+
+
+def opted_out(kernel: str) -> bool:
+    """Whether the user turned ``kernel`` (or a path of that opt-in name) off through ``CULA_KERNELS_OFF``."""
+    unwanted = {w.strip() for w in os.environ.get(OPT_OUT_ENV, "").split(",") if w.strip()}
+    return kernel in unwanted or "all" in unwanted
+
+
 def default_off_reason(kernel: str, module: Any) -> str | None:
     """Why dispatch passes over a working kernel by default (its module's ``DISPATCH_OFF``: a kernel
     that is correct but measured slower than FLA), or None when it is on or opted in."""
@@ -169,16 +181,17 @@ plan_caches: list[dict] = []
 _DEBUG_ENV = "CULA_DEBUG_CHECKS"
 # os.environ.get costs ~0.7 us (key encoding, a Mapping method); the posix environ keeps a plain dict
 # of bytes that os.environ writes through (monkeypatch.setenv included), read here in ~0.1 us.
-_ENV_KEYS = (os.fsencode(OPT_IN_ENV), os.fsencode(_DEBUG_ENV)) if os.name == "posix" else None
+_ENV_NAMES = (OPT_IN_ENV, OPT_OUT_ENV, _DEBUG_ENV)
+_ENV_KEYS = tuple(os.fsencode(n) for n in _ENV_NAMES) if os.name == "posix" else None
 
 
-def env_key() -> tuple[Any, Any]:
+def env_key() -> tuple[Any, ...]:
     """The environment variables a dispatch decision or validation reads (``CULA_KERNELS``,
-    ``CULA_DEBUG_CHECKS``), as a cheap hashable value for the call-plan caches."""
+    ``CULA_KERNELS_OFF``, ``CULA_DEBUG_CHECKS``), as a cheap hashable value for the call-plan caches."""
     data = getattr(os.environ, "_data", None)
     if _ENV_KEYS is not None and type(data) is dict:
-        return data.get(_ENV_KEYS[0]), data.get(_ENV_KEYS[1])
-    return os.environ.get(OPT_IN_ENV), os.environ.get(_DEBUG_ENV)
+        return data.get(_ENV_KEYS[0]), data.get(_ENV_KEYS[1]), data.get(_ENV_KEYS[2])
+    return tuple(os.environ.get(n) for n in _ENV_NAMES)
 
 
 def probes_key() -> tuple[Any, ...]:
@@ -262,8 +275,12 @@ class Candidate:
         module, reason = load_kernel(kernel)
         if reason is not None:
             return reason
+        if opted_out(kernel):
+            return f"turned off with {OPT_OUT_ENV}"
         if self.switch is not None:
             name, off = resolve(self.switch)
+            if opted_out(name):
+                return f"turned off with {OPT_OUT_ENV}={name}"
             if off and not opted_in(name):
                 return f"{off}; opt in with {OPT_IN_ENV}={name}"
         return default_off_reason(kernel, module)

@@ -289,6 +289,45 @@ def test_kda_gradients_path_is_off_until_validated(hopper, monkeypatch):
     assert cula.backends("chunk_kda", **kda_train()).backend == CULA_SM90_FLA_BWD
 
 
+def test_kda_gradients_path_is_on_since_validated():
+    from cula.kda import _train
+
+    assert _train.SWITCH == ("kda_fwd_train", None)  # tests/test_kda_train.py -m gpu passed at 16b0362
+
+
+@pytest.mark.parametrize("off, chosen", [("kda_fwd_train", FLA_TRITON), ("kda_fwd", FLA_TRITON),
+                                         ("all", FLA_TRITON), ("lightning_fwd", CULA_SM90_FLA_BWD),
+                                         (" kda_decode , kda_fwd_train", FLA_TRITON)])
+def test_kernels_off_turns_the_gradient_path_off(hopper, monkeypatch, off, chosen):
+    from cula.kda import _train
+
+    monkeypatch.setattr(_train, "SWITCH", ("kda_fwd_train", None))
+    fake_kda_fwd(monkeypatch)  # CULA_KERNELS=kda_fwd_train as well: the opt-out wins
+    monkeypatch.setenv(_dispatch.OPT_OUT_ENV, off)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CulaFallbackWarning)  # the user's choice, not these inputs: no warning
+        d = cula.backends("chunk_kda", **kda_train())
+    assert d.backend == chosen
+    if chosen == FLA_TRITON:
+        skip = d.skipped[0]
+        assert skip.backend == CULA_SM90_FLA_BWD and skip.environmental and "CULA_KERNELS_OFF" in skip.reason
+
+
+@pytest.mark.parametrize("off, chosen", [(None, CULA_SM90), ("kda_fwd", FLA_TRITON), ("all", FLA_TRITON),
+                                         ("kda_fwd_train", CULA_SM90), ("kda_decode", CULA_SM90)])
+def test_kernels_off_turns_a_kernel_off(hopper, monkeypatch, off, chosen):
+    fake_kernel(monkeypatch, "kda_fwd")
+    monkeypatch.setenv(_dispatch.OPT_IN_ENV, "kda_fwd")
+    if off is None:
+        monkeypatch.delenv(_dispatch.OPT_OUT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(_dispatch.OPT_OUT_ENV, off)
+    d = cula.backends("chunk_kda", **kda())
+    assert d.backend == chosen
+    if chosen == FLA_TRITON:
+        assert d.skipped[0].environmental and "CULA_KERNELS_OFF" in d.skipped[0].reason
+
+
 def test_kda_gradients_take_our_forward_with_flas_backward(hopper, monkeypatch):
     fake_kda_fwd(monkeypatch)
     d = cula.backends("chunk_kda", **kda_train())

@@ -157,17 +157,19 @@ def test_autograd_wiring_without_optional_inputs(monkeypatch):
     assert all(t.grad is not None for t in x.values())
 
 
-@pytest.mark.parametrize("opt_in, expected", [("kda_fwd_train", "cula-sm90+fla-bwd"), ("", "fla-triton")])
-def test_grad_inputs_reach_the_train_path_on_a_hopper(monkeypatch, opt_in, expected):
+@pytest.mark.parametrize("off, expected", [("", "cula-sm90+fla-bwd"), ("kda_fwd_train", "fla-triton")])
+def test_grad_inputs_reach_the_train_path_on_a_hopper(monkeypatch, off, expected):
     """Dispatch with the real kda_fwd.supports on a faked sm_90 (CPU tensors posing as CUDA ones): inputs
-    that require grad take our forward under FLA's backward when opted in. The first GPU run (an H100) found
-    them all handed to FLA: supports() refuses grad-requiring inputs (its own path has no backward), and the
-    train path asked it with grad on; the CPU tests had replaced supports() by fakes."""
+    that require grad take our forward under FLA's backward (on by default since the GPU cases passed) unless
+    turned off. The first GPU run (an H100) found them all handed to FLA: supports() refuses grad-requiring
+    inputs (its own path has no backward), and the train path asked it with grad on; the CPU tests had
+    replaced supports() by fakes."""
     pytest.importorskip("fla")
     import cula
 
     fake_sm90(monkeypatch)
-    monkeypatch.setenv("CULA_KERNELS", opt_in)
+    monkeypatch.delenv("CULA_KERNELS", raising=False)
+    monkeypatch.setenv("CULA_KERNELS_OFF", off)
     gen = torch.Generator().manual_seed(0)
     x = dict(q=torch.randn(1, 130, 2, 128, generator=gen), k=torch.randn(1, 130, 2, 128, generator=gen),
              v=torch.randn(1, 130, 2, 128, generator=gen), g=torch.randn(1, 130, 2, 128, generator=gen),
@@ -178,8 +180,8 @@ def test_grad_inputs_reach_the_train_path_on_a_hopper(monkeypatch, opt_in, expec
                              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
                              output_final_state=True)
     assert decision.backend == expected, str(decision)
-    if not opt_in:
-        assert "opt in with CULA_KERNELS=kda_fwd_train" in str(decision)
+    if off:
+        assert "turned off with CULA_KERNELS_OFF=kda_fwd_train" in str(decision)
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -273,7 +275,8 @@ def _gpu_case(B, T, H, HV, cu, seed, lower_bound, sigmoid, h0, v_first, gate="ke
 
 #: one definition with the AOT build's (kernels/common/aot.py), so the device finds every case precompiled
 GPU_CASES = [pytest.param(*case, id=name) for name, case in TRAIN_TEST_CASES.items()]
-#: the log-space gate on the tensor-core stage 1 is opt-in too until validated (kda_fwd.LOG_GATE_VALIDATED)
+#: both paths are on by default now (cula.kda._train.SWITCH, kda_fwd.LOG_GATE_VALIDATED); naming them keeps
+#: these tests on them if either is switched off again
 OPT_IN = "kda_fwd_train,kda_fwd_loggate"
 
 
@@ -283,7 +286,8 @@ def _gpu_setup(monkeypatch, B, T, H, HV, cu, lb, sigmoid, h0, v_first, gate):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("fla")
-    monkeypatch.setenv("CULA_KERNELS", OPT_IN)  # the path is opt-in until these tests pass
+    monkeypatch.setenv("CULA_KERNELS", OPT_IN)
+    monkeypatch.delenv("CULA_KERNELS_OFF", raising=False)
     x, kw = _gpu_case(B, T, H, HV, cu, 0, lb, sigmoid, h0, v_first, gate)
     return x, kw, {n: t.detach().clone().requires_grad_() for n, t in x.items()}
 

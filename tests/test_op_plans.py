@@ -130,6 +130,10 @@ def test_environment_changes_are_seen(hopper, monkeypatch):
     assert fused_recurrent_kda(**x)[0] == "fla"
     monkeypatch.setenv(_dispatch.OPT_IN_ENV, "kda_decode")
     assert fused_recurrent_kda(**x)[0] == "o"
+    monkeypatch.setenv(_dispatch.OPT_OUT_ENV, "kda_decode")  # the opt-out wins, and the plan sees it
+    assert fused_recurrent_kda(**x)[0] == "fla"
+    monkeypatch.delenv(_dispatch.OPT_OUT_ENV)
+    assert fused_recurrent_kda(**x)[0] == "o"
     monkeypatch.setattr(_dispatch, "device_arch", lambda device: (8, 0))  # a probe patched mid-way
     assert fused_recurrent_kda(**x)[0] == "fla"
 

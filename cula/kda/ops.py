@@ -160,9 +160,9 @@ def chunk_kda(
     ``lower_bound`` it clamps the softplus gate per token and channel at -11 (a decay below e^-11 = 1.7e-5
     counts as 1.7e-5: at most that relative change, far under bf16 rounding); other inputs go to FLA when
     it is installed. Gradients: cula has no KDA backward kernel yet; on Hopper a call that needs them and
-    that the kernel serves can run our forward under FLA's backward (``cula-sm90+fla-bwd``, opt-in with
-    ``CULA_KERNELS=kda_fwd_train`` until validated on a GPU; docs/api.md), otherwise FLA on CUDA and the
-    differentiable reference on CPU.
+    that the kernel serves runs our forward under FLA's backward (``cula-sm90+fla-bwd``; off with
+    ``CULA_KERNELS_OFF=kda_fwd_train``; docs/api.md), otherwise FLA on CUDA and the differentiable
+    reference on CPU.
     """
 
 
