@@ -230,6 +230,16 @@ for s in $steps; do
         # splits of the default against the pre-session-21 stage 1 (direct, left) and each change alone (<= 420 s;
         # AOT scenarios gate_direct_*, subst_left_*, pre21_split)
         s21_check; s21_splits ;;
+    s22_direct)  # session 22 (H100): with the right-looking substitution the halved factors cost +1.1% of stage 1
+        # at B2 T16384 and save 1.3% on two n20 rows. direct + right on the three checks it has not passed (session
+        # 21 ran the other three), then default / direct splits twice (<= 300 s; AOT gate_direct_checks / _split)
+        step s22_direct_check 200 env CULA_KDA_TC_GATE_FACTORS=direct python3 -u -m cula.kernels.sm90.kda_fwd \
+            --check --no-bench --cases tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
+        for m in default direct default direct; do
+            envs=""
+            [ $m = direct ] && envs="CULA_KDA_TC_GATE_FACTORS=direct"
+            step s22_split_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
+        done ;;
     s21_check)  # the first half of s21_defaults alone (an H200 call: the checks, then the suites)
         s21_check ;;
     s21_splits)  # the second half
