@@ -101,6 +101,30 @@ def test_train_scenario_covers_the_training_gpu_tests(monkeypatch):
     assert seen and seen <= want, sorted(seen - want)
 
 
+@pytest.mark.parametrize("jobs", [1, 2, 3])
+def test_parallel_build_shards_compile_each_module_once(tmp_path, monkeypatch, jobs):
+    """build_parallel's processes split the modules by name: every module of the scenarios is compiled by
+    exactly one shard, and a shard skips modules already on disk."""
+    built: list[str] = []
+    monkeypatch.setattr(aot, "compile_for_export", lambda fn, specs: None)
+    monkeypatch.setattr(aot, "save", lambda path, compiled: built.append(os.path.basename(path)) or 1)
+    scenarios = ["u_in_recur", "split"]
+    want = {aot.entry_name(k, key, specs) for sc in scenarios for k, key, _, specs in aot.record_launches(sc)}
+    for i in range(jobs):
+        aot.build(str(tmp_path), scenarios, (i, jobs))
+    assert sorted(built) == sorted(want) and len(want) > 2
+    if jobs == 2:
+        assert {aot.shard_of(n, 2) for n in want} == {0, 1}  # both processes get work
+    (tmp_path / sorted(want)[0]).write_bytes(b"")  # on disk already: not compiled again
+    built.clear()
+    aot.build(str(tmp_path), scenarios)
+    assert sorted(built) == sorted(want)[1:]
+
+
+def test_default_jobs_is_one_per_core_up_to_four():
+    assert 1 <= aot.default_jobs() <= 4
+
+
 def test_a_module_builds_without_a_gpu_and_round_trips(tmp_path, monkeypatch):
     """The recurrence of the u-in-stage-2 scenario compiles for sm_90a on the CPU, and its file holds MLIR
     bytecode that parses, the host entry's name and argument spec. Loading it needs the GPU machine's CUDA

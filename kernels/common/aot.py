@@ -11,8 +11,9 @@ A file is named by the launch key and a fingerprint of the kernel sources and th
 (:func:`entry_name`), so an edited kernel never loads a stale module. :func:`find` is consulted only where
 ``CULA_AOT_DIR`` is set, and a module that fails to load is compiled instead, with one warning.
 
-Build (on any machine, CPU only): ``python -m cula.kernels.common.aot build DIR [--scenarios a,b]`` records the
-launches of ``kda_fwd`` for the device steps' inputs and compiles each distinct one (``SCENARIOS``).
+Build (on any machine, CPU only): ``python -m cula.kernels.common.aot build DIR [--scenarios a,b] [--jobs N]``
+records the launches of ``kda_fwd`` for the device steps' inputs and compiles each distinct one (``SCENARIOS``),
+in N processes (default: one per core, at most four).
 """
 
 from __future__ import annotations
@@ -93,7 +94,10 @@ def save(path: str | os.PathLike, compiled: Any) -> int:
     blob = dict(bytecode=buf.getvalue(), function_name=compiled.function_name, args_spec=args_spec,
                 kernel_info=compiled.kernel_info)
     data = lzma.compress(pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL), preset=6)
-    Path(path).write_bytes(data)
+    # through a temporary name: a build killed mid-write leaves no truncated module for the next build to skip
+    tmp = Path(f"{path}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
     return len(data)
 
 
@@ -312,15 +316,21 @@ def record_launches(scenario: str) -> list[tuple]:
     return list(seen.values())
 
 
-def build(out_dir: str, scenarios: Sequence[str]) -> list[tuple[str, int]]:
-    """Compile every distinct launch of ``scenarios`` into ``out_dir``; returns (file, bytes) per module."""
+def shard_of(name: str, shards: int) -> int:
+    """Which of ``shards`` build processes compiles module ``name`` (stable across processes)."""
+    return int(hashlib.sha256(name.encode()).hexdigest(), 16) % shards
+
+
+def build(out_dir: str, scenarios: Sequence[str], shard: tuple[int, int] = (0, 1)) -> list[tuple[str, int]]:
+    """Compile every distinct launch of ``scenarios`` into ``out_dir`` (only the modules of ``shard`` = (index,
+    count): :func:`build_parallel` runs one process per shard); returns (file, bytes) per module."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     done: list[tuple[str, int]] = []
     names: set[str] = set()
     for scenario in scenarios:
         for kind, key, make_kernel, specs in record_launches(scenario):
             name = entry_name(kind, key, specs)
-            if name in names or (Path(out_dir) / name).exists():
+            if name in names or (Path(out_dir) / name).exists() or shard_of(name, shard[1]) != shard[0]:
                 names.add(name)
                 continue
             names.add(name)
@@ -330,6 +340,23 @@ def build(out_dir: str, scenarios: Sequence[str]) -> list[tuple[str, int]]:
     return done
 
 
+def build_parallel(out_dir: str, scenarios: Sequence[str], jobs: int) -> int:
+    """:func:`build` in ``jobs`` processes, each compiling its shard of the modules (one compile keeps one core
+    busy for ~6 s); returns the first nonzero exit status, or 0."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "cula.kernels.common.aot", "build", str(out_dir), "--scenarios", ",".join(scenarios)]
+    procs = [subprocess.Popen([*cmd, "--shard", f"{i}/{jobs}"]) for i in range(jobs)]
+    codes = [p.wait() for p in procs]
+    return next((c for c in codes if c), 0)
+
+
+def default_jobs() -> int:
+    """One build process per core, at most four (each holds the DSL and its MLIR context: ~0.7 GB)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] != "build":
         print(__doc__)
@@ -337,6 +364,13 @@ def main(argv: list[str]) -> int:
     scenarios = list(SCENARIOS)
     if "--scenarios" in argv:
         scenarios = argv[argv.index("--scenarios") + 1].split(",")
+    if "--shard" in argv:  # one process of build_parallel
+        index, count = (int(x) for x in argv[argv.index("--shard") + 1].split("/"))
+        build(argv[1], scenarios, (index, count))
+        return 0
+    jobs = int(argv[argv.index("--jobs") + 1]) if "--jobs" in argv else default_jobs()
+    if jobs > 1:
+        return build_parallel(argv[1], scenarios, jobs)
     build(argv[1], scenarios)
     return 0
 
