@@ -272,11 +272,11 @@ class Candidate:
         if arch != HOPPER:
             return f"GPU is sm_{arch[0]}{arch[1]}, the cula kernels need Hopper (sm_90)"
         kernel = self.kernel or self.uses_kernel
+        if opted_out(kernel):  # before the import: a kernel turned off is not even loaded
+            return f"turned off with {OPT_OUT_ENV}"
         module, reason = load_kernel(kernel)
         if reason is not None:
             return reason
-        if opted_out(kernel):
-            return f"turned off with {OPT_OUT_ENV}"
         if self.switch is not None:
             name, off = resolve(self.switch)
             if opted_out(name):

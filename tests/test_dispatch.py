@@ -328,6 +328,15 @@ def test_kernels_off_turns_a_kernel_off(hopper, monkeypatch, off, chosen):
         assert d.skipped[0].environmental and "CULA_KERNELS_OFF" in d.skipped[0].reason
 
 
+def test_a_kernel_turned_off_is_not_imported(hopper, monkeypatch):
+    loaded = []
+    real = _dispatch.load_kernel
+    monkeypatch.setattr(_dispatch, "load_kernel", lambda name: loaded.append(name) or real(name))
+    monkeypatch.setenv(_dispatch.OPT_OUT_ENV, "kda_fwd")
+    assert cula.backends("chunk_kda", **kda()).backend == FLA_TRITON
+    assert "kda_fwd" not in loaded
+
+
 def test_kda_gradients_take_our_forward_with_flas_backward(hopper, monkeypatch):
     fake_kda_fwd(monkeypatch)
     d = cula.backends("chunk_kda", **kda_train())
