@@ -148,10 +148,15 @@ def load_kernel(name: str) -> tuple[Any, str | None]:
 OPT_IN_ENV = "CULA_KERNELS"
 
 
+def _env_names(env: str, kernel: str) -> bool:
+    """Whether the comma list in ``env`` names ``kernel`` or ``all``."""
+    names = {w.strip() for w in os.environ.get(env, "").split(",") if w.strip()}
+    return kernel in names or "all" in names
+
+
 def opted_in(kernel: str) -> bool:
     """Whether the user asked for ``kernel`` through ``CULA_KERNELS``."""
-    wanted = {w.strip() for w in os.environ.get(OPT_IN_ENV, "").split(",") if w.strip()}
-    return kernel in wanted or "all" in wanted
+    return _env_names(OPT_IN_ENV, kernel)
 
 
 #: Environment variable naming kernels or paths dispatch passes over although they are on (comma list of kernel
@@ -162,8 +167,7 @@ OPT_OUT_ENV = "CULA_KERNELS_OFF"
 
 def opted_out(kernel: str) -> bool:
     """Whether the user turned ``kernel`` (or a path of that opt-in name) off through ``CULA_KERNELS_OFF``."""
-    unwanted = {w.strip() for w in os.environ.get(OPT_OUT_ENV, "").split(",") if w.strip()}
-    return kernel in unwanted or "all" in unwanted
+    return _env_names(OPT_OUT_ENV, kernel)
 
 
 def default_off_reason(kernel: str, module: Any) -> str | None:
