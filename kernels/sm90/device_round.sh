@@ -33,17 +33,23 @@ s21_check() {
     local cases=tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
     step s21_check 200 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $cases
 }
-s21_splits() {  # the default against the pre-session-21 stage 1 and each change alone, twice in turn
-    local m envs
-    for m in default pre21 direct left default pre21; do
+mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 mode, in the order given
+    # default = halves + right; pre21 = direct + left (the pre-session-21 stage 1); direct = direct + right;
+    # left = halves + left
+    local prefix=$1 m envs
+    shift
+    for m in "$@"; do
         envs=""
         case $m in
         pre21) envs="CULA_KDA_TC_GATE_FACTORS=direct CULA_KDA_TC_SUBST=left" ;;
         direct) envs="CULA_KDA_TC_GATE_FACTORS=direct" ;;
         left) envs="CULA_KDA_TC_SUBST=left" ;;
         esac
-        step s21_split_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
+        step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
+}
+s21_splits() {  # the default against the pre-session-21 stage 1 and each change alone, twice in turn
+    mode_splits s21_split default pre21 direct left default pre21
 }
 for s in $steps; do
     case $s in
@@ -235,11 +241,7 @@ for s in $steps; do
         # 21 ran the other three), then default / direct splits twice (<= 300 s; AOT gate_direct_checks / _split)
         step s22_direct_check 200 env CULA_KDA_TC_GATE_FACTORS=direct python3 -u -m cula.kernels.sm90.kda_fwd \
             --check --no-bench --cases tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
-        for m in default direct default direct; do
-            envs=""
-            [ $m = direct ] && envs="CULA_KDA_TC_GATE_FACTORS=direct"
-            step s22_split_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
-        done ;;
+        mode_splits s22_split default direct default direct ;;
     s21_check)  # the first half of s21_defaults alone (an H200 call: the checks, then the suites)
         s21_check ;;
     s21_splits)  # the second half
