@@ -103,8 +103,10 @@ PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
 #: session 21) 2^(Γ−C) and 2^(C−Γ) by exp2, 2^Γ never formed: the products that need it, q·2^Γ and k·2^Γ, are
 #: (q·2^(Γ−C))·2^(C/2)·2^(C/2) from the q·2^(Γ−C) already formed (136 MUFU per thread, no drift; the halves keep
 #: every intermediate in range, see the branch); "direct" also 2^Γ by exp2 (192 MUFU, 24 fewer instructions).
-#: Session 21 (H100, `--split worst`, twice each): halves 0.8% faster than direct at B2 T16384 and 1.2-1.9% on
-#: the n20 rows, six tc checks PASS. (Session 19's running products, "chain", with the same MUFU saving, more
+#: Session 21 (H100, `--split worst`, twice each, left-looking substitution): halves 0.8% faster than direct at B2
+#: T16384 and 1.2-1.9% on the n20 rows, six tc checks PASS. Session 22 (H100, with the right-looking substitution):
+#: halves 1.1% slower than direct at B2 T16384, 1.3% faster on two n20 rows (kda_fwd.md, Measurements, session 22;
+#: device_round s22_direct decides). (Session 19's running products, "chain", with the same MUFU saving, more
 #: instructions and a few ulps of drift, were removed unmeasured.) ``CULA_KDA_TC_GATE_FACTORS=direct`` for A/B.
 GATE_FACTOR_MODES = ("halves", "direct")
 GATE_FACTORS = __import__("os").environ.get("CULA_KDA_TC_GATE_FACTORS", "halves")
@@ -1148,8 +1150,8 @@ class KdaFwdIntraTC:
         The block's strictly lower part of A comes into registers first (36 16-byte loads, none waiting on a
         store to sT), then the substitution runs column by column of A: once T[j] is final, every later row
         takes its term at once. A row's value is final one FMA after the row above's, so the dependent chain is
-        15 FMAs long instead of a row's dot product per row (the left-looking form below: ~64 FMAs in chains
-        and a shared load before each row); the sums are the same terms in the same order as a single
+        15 FMAs long instead of a row's dot product per row (the left-looking form in ``diagonal_blocks``: ~64
+        FMAs in chains and a shared load before each row); the sums are the same terms in the same order as a single
         accumulator's.
         """
         arow = cute.make_rmem_tensor(cute.make_layout((SUB, SUB // 4, 4), stride=(SUB, 4, 1)), F32)
