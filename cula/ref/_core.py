@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from cula.ref._checks import check_state, seqlens_from_cu
-from cula.ref._varlen import pad_segments, unpad_segments
+from cula.ref._varlen import length_groups, pad_segments, unpad_segments
 
 # Elements of one [chunks, C, C, K] pairwise-decay temporary (x B x HV) per group: 2**26 fp32 = 256 MiB.
 PAIRWISE_BUDGET = 1 << 26
@@ -220,11 +220,18 @@ def run(
     if lengths is None:
         o, S = core(q, k, v, g, beta, h0)
     else:
-        width = max(lengths)
-        padded = [pad_segments(x, lengths, width) for x in (q, k, v, g)]
-        beta_p = pad_segments(beta, lengths, width) if beta is not None else None
-        o_p, S = core(*padded, beta_p, h0)
-        o = unpad_segments(o_p, lengths)
+        pieces: list[torch.Tensor | None] = [None] * N
+        states: list[torch.Tensor | None] = [None] * N
+        for members in length_groups(lengths):
+            lens = [lengths[i] for i in members]
+            width = max(lens)
+            padded = [pad_segments(x, lengths, width, members) for x in (q, k, v, g)]
+            beta_p = pad_segments(beta, lengths, width, members) if beta is not None else None
+            o_p, S_g = core(*padded, beta_p, h0[members] if h0 is not None else None)
+            for i, piece, state in zip(members, unpad_segments(o_p, lens).split(lens, dim=1), S_g):
+                pieces[i], states[i] = piece, state
+        o = torch.cat(pieces, dim=1)
+        S = torch.stack(states)
     if not output_final_state:
         return o, None
     return o, (S.transpose(-1, -2) if state_v_first else S)
