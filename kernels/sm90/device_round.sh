@@ -84,8 +84,8 @@ for s in $steps; do
         # -v: a step killed at its limit prints no summary, so the log names each test as it ends
         step kda_train ${TRAIN_LIMIT:-420} python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf -s --durations=0 \
             tests/test_kda_train.py ;;
-    train_suite)  # the training step (forward + backward) against FLA's, opt-in path on (CULA_GIT_SHA set)
-        step kda_train_suite 420 env CULA_KERNELS=kda_fwd_train CULA_GIT_DIRTY=0 python3 -m cula.cli bench \
+    train_suite)  # the training step (forward + backward) against FLA's (CULA_GIT_SHA set)
+        step kda_train_suite 420 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench \
             --suite kda_train --mode both --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
     ncu)  # stage 1's stall reasons by instruction (session 6): full set on one B1 T4096 launch
         step ncu 200 ncu --clock-control none -k regex:intra_tc --launch-count 1 --set full \
