@@ -338,6 +338,7 @@ def write_report(sel: Selection, md_path: Path, draw_chart: bool = True) -> tupl
     from cula.reports.chart import draw
 
     md_path = Path(md_path)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
     chart_path = md_path.with_name(md_path.stem + "_speedup.png")
     series = chart_series(sel) if not sel.empty else []
     drawn = None

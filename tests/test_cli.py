@@ -102,6 +102,21 @@ def test_report_writes_and_check_detects_drift(tmp_path):
     assert invoke(*check).exit_code == 1
 
 
+def test_h100_runs_publish_under_reports(tmp_path):
+    data, root = tmp_path / "results", tmp_path / "repo"
+    root.mkdir()
+    store_run(data, R1, make_rows(R1, fingerprint=dict(H200, gpu_name="NVIDIA H100 80GB HBM3")))
+    res = invoke("report", "--results-dir", data, "--root", root)
+    assert res.exit_code == 0, res.output
+    md = root / "reports" / "BENCHMARK_H100.md"
+    assert md.is_file() and (root / "reports" / "BENCHMARK_H100_speedup.png").is_file()
+    assert "NVIDIA H100 80GB HBM3" in md.read_text() and "| 1 | 512 |" in md.read_text()
+    assert "No H200 run is recorded yet" in (root / "BENCHMARK_H200.md").read_text()
+    assert invoke("report", "--check", "--results-dir", data, "--root", root).exit_code == 0
+    res = invoke("report", "--results-dir", data, "--root", root, "--run", R1)
+    assert res.exit_code == 0, res.output
+
+
 def test_report_stdout(tmp_path):
     store_run(tmp_path, R1, make_rows(R1, limit=2))
     res = invoke("report", "--results-dir", tmp_path, "--gpu", "H200", "--out", "-")
