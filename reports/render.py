@@ -14,6 +14,7 @@ from typing import Any
 
 import jinja2
 
+from cula.bench.fingerprint import without_labels
 from cula.bench.schema import ERROR, FAIL, OK, UNAVAILABLE, Row
 from cula.reports.data import REPO_ROOT, TARGETS, ReportError, Selection
 
@@ -278,7 +279,7 @@ def _run_header(run_rows: list[Row], status: str) -> dict[str, Any]:
         "run_id": r.run_id, "started": r.run_started, "gpu": r.gpu_name, "sm": r.sm_count,
         "driver": r.driver, "cuda": r.cuda, "torch": r.torch, "triton": r.triton, "dsl": r.dsl,
         "fla": r.fla, "python": r.python, "sha": r.cula_sha, "dirty": r.cula_dirty,
-        "host": r.host_hash, "command": r.command, "ceil_tbps": f"{r.ceil_tbps:.2f}",
+        "host": r.host_hash, "command": without_labels(r.command), "ceil_tbps": f"{r.ceil_tbps:.2f}",
         "ceil_tflops": f"{r.ceil_tflops:.0f}", "settings": settings,
         "suites": sorted({x.suite for x in run_rows}), "rows": len(run_rows), "status": status,
     }

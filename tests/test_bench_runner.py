@@ -205,8 +205,17 @@ def test_canonical_command(monkeypatch):
     monkeypatch.setenv("CULA_KDA_RECUR_VARIANT", "v1")
     monkeypatch.setenv("CULA_GIT_SHA", "abc")
     monkeypatch.setenv("FLA_FLASH_KDA", "0")
+    monkeypatch.setenv("CULA_AOT_DIR", "/work/x/.device/aot")  # prebuilt modules of the same kernels
     assert canonical_command(plan, TimingSettings(), quick=False) == (
         "CULA_KDA_RECUR_VARIANT=v1 CULA_KERNELS=kda_fwd cula bench --suite kda --mode both --impl fla,ref")
+
+
+def test_stored_commands_lose_their_labels():
+    from cula.bench.fingerprint import without_labels
+
+    stored = "CULA_AOT_DIR=/work/main/.device/aot CULA_KERNELS=kda_fwd_train cula bench --suite kda --max-time 0.2"
+    assert without_labels(stored) == "CULA_KERNELS=kda_fwd_train cula bench --suite kda --max-time 0.2"
+    assert without_labels("cula bench --suite kda --impl a=b") == "cula bench --suite kda --impl a=b"
 
 
 def test_percentiles_and_cpu_timer():

@@ -98,14 +98,26 @@ def _driver_version() -> str:
 
 #: Environment variables that change which code a run measures (and so belong in its reproduce command).
 KNOB_PREFIXES = ("CULA_", "FLA_")
-#: ... except the ones that only label the run.
-NOT_KNOBS = ("CULA_GIT_SHA", "CULA_GIT_DIRTY", "FLA_FLASH_KDA")  # FLA_FLASH_KDA: cula.bench pins it
+#: ... except the ones that only label the run, and CULA_AOT_DIR: a folder of prebuilt modules of the same
+#: kernel sources (tests/test_aot.py: bitwise the compiled path's results), a path on the machine that ran.
+NOT_KNOBS = ("CULA_GIT_SHA", "CULA_GIT_DIRTY", "FLA_FLASH_KDA", "CULA_AOT_DIR")  # FLA_FLASH_KDA: cula.bench pins it
 
 
 def knob_env() -> list[str]:
     """``NAME=value`` of every knob variable set in this process, sorted (e.g. ``CULA_KERNELS=kda_fwd``)."""
     return sorted(f"{k}={v}" for k, v in os.environ.items()
                   if k.startswith(KNOB_PREFIXES) and k not in NOT_KNOBS)
+
+
+def without_labels(command: str) -> str:
+    """``command`` without its leading ``NAME=value`` words for :data:`NOT_KNOBS` (runs stored before a
+    variable joined that list still carry it)."""
+    words = command.split(" ")
+    i = 0
+    while i < len(words) and "=" in words[i] and not words[i].startswith("-"):
+        i += 1
+    env = [w for w in words[:i] if w.split("=", 1)[0] not in NOT_KNOBS]
+    return " ".join(env + words[i:])
 
 
 def host_hash() -> str:
