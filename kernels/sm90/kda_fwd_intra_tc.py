@@ -105,9 +105,11 @@ PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
 #: every intermediate in range, see the branch); "direct" also 2^Γ by exp2 (192 MUFU, 24 fewer instructions).
 #: Session 21 (H100, `--split worst`, twice each, left-looking substitution): halves 0.8% faster than direct at B2
 #: T16384 and 1.2-1.9% on the n20 rows, six tc checks PASS. Session 22 (H100, with the right-looking substitution):
-#: halves 1.1% slower than direct at B2 T16384, 1.3% faster on two n20 rows (kda_fwd.md, Measurements, session 22;
-#: device_round s22_direct decides). (Session 19's running products, "chain", with the same MUFU saving, more
-#: instructions and a few ulps of drift, were removed unmeasured.) ``CULA_KDA_TC_GATE_FACTORS=direct`` for A/B.
+#: halves 1.1% slower than direct at B2 T16384, 1.3% faster on two n20 rows. Session 23 (H100): direct passes all six
+#: checks; against halves -0.7% of both stages at B2 T16384 and +0.4-0.8% on the n20 rows, so halves stays the
+#: default (kda_fwd.md, Measurements, sessions 22-23). (Session 19's running products, "chain", with the same MUFU
+#: saving, more instructions and a few ulps of drift, were removed unmeasured.) ``CULA_KDA_TC_GATE_FACTORS=direct``
+#: for A/B.
 GATE_FACTOR_MODES = ("halves", "direct")
 GATE_FACTORS = __import__("os").environ.get("CULA_KDA_TC_GATE_FACTORS", "halves")
 #: How the inverse's four 16x16 diagonal blocks are substituted (session 21): "right" (the default) the block's A
