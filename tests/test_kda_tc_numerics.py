@@ -154,6 +154,19 @@ def test_timing_diagnostics_are_named_and_off_by_default():
         KdaFwdIntraTC(**flags, diag=("no_stores",))
 
 
+def test_one_cta_diagnostic_leaves_room_for_one_cta_only():
+    """``one_cta`` times stage 1 at one CTA per SM: its request must exceed half of the SM and fit one CTA."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.sm90.kda_fwd_intra_tc import SMEM_PER_SM, KdaFwdIntraTC
+
+    flags = dict(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
+                 allow_neg_eigval=False, group=1)
+    storage = KdaFwdIntraTC(**flags).storage_class().size_in_bytes()
+    assert KdaFwdIntraTC(**flags).launch_smem(storage) == storage
+    one = KdaFwdIntraTC(**flags, diag=("one_cta",)).launch_smem(storage)
+    assert 2 * (one + 1024) > SMEM_PER_SM and one + 1024 <= SMEM_PER_SM - 4096  # 227 KB per CTA at most
+
+
 @pytest.mark.gpu
 def test_gpu_stage1_runs_two_ctas_per_sm():
     """The driver agrees that two stage-1 CTAs fit an SM: 2 x (115,712 + 1,024) B is exactly the H200's

@@ -35,7 +35,7 @@ s21_check() {
 }
 mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 mode, in the order given
     # default = halves + right; pre21 = direct + left (the pre-session-21 stage 1); direct = direct + right;
-    # left = halves + left
+    # left = halves + left; one_cta = the default at one CTA per SM (timing diagnostic: same code and values)
     local prefix=$1 m envs
     shift
     for m in "$@"; do
@@ -44,6 +44,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         pre21) envs="CULA_KDA_TC_GATE_FACTORS=direct CULA_KDA_TC_SUBST=left" ;;
         direct) envs="CULA_KDA_TC_GATE_FACTORS=direct" ;;
         left) envs="CULA_KDA_TC_SUBST=left" ;;
+        one_cta) envs="CULA_KDA_TC_DIAG=one_cta" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
@@ -242,6 +243,9 @@ for s in $steps; do
         step s22_direct_check 200 env CULA_KDA_TC_GATE_FACTORS=direct python3 -u -m cula.kernels.sm90.kda_fwd \
             --check --no-bench --cases tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
         mode_splits s22_split default direct default direct ;;
+    one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, What is
+        # next, session 23), twice in turn (<= 120 s; AOT scenario diag_one_cta)
+        mode_splits one_cta_split default one_cta default one_cta ;;
     s21_check)  # the first half of s21_defaults alone (an H200 call: the checks, then the suites)
         s21_check ;;
     s21_splits)  # the second half

@@ -663,8 +663,9 @@ def kda_fwd(
         if intra_tc.SUBST != intra_tc.SUBST_MODES[0]:
             tc_flags.update(subst=intra_tc.SUBST)
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
-            warnings.warn(f"CULA_KDA_TC_DIAG={','.join(intra_tc.DIAG)}: stage 1's outputs are wrong (timing only)",
-                          RuntimeWarning, stacklevel=2)
+            if set(intra_tc.DIAG) - {"one_cta"}:  # one_cta changes only the warps per SM
+                warnings.warn(f"CULA_KDA_TC_DIAG={','.join(intra_tc.DIAG)}: stage 1's outputs are wrong (timing "
+                              "only)", RuntimeWarning, stacklevel=2)
             tc_flags.update(diag=intra_tc.DIAG)
         intra_launch = _launcher("intra_tc", (tuple(sorted(tc_flags.items())), dts),
                                  lambda: intra_tc.KdaFwdIntraTC(**tc_flags), _intra_specs(*dts))

@@ -127,9 +127,13 @@ SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
 #: was folded away, the values with it), so the values are still formed; ``no_inverse``: phase 4 is
 #: skipped the same way; ``no_v_u``: without ``t_out``, stage 1 as it would be with u = T' v formed in stage 2
 #: (no v loads, prefetches or tile, no u product or store: removed at compile time; the T' store missing;
-#: kda_fwd.md, session 16's reading; a no-op with ``t_out``). A split per option against none says what
-#: each costs.
-DIAG_OPTIONS = ("l2_loads", "no_qg_kgt", "no_wu_store", "no_aqk_store", "no_inverse", "no_v_u")
+#: kda_fwd.md, session 16's reading; a no-op with ``t_out``); ``one_cta``: the launch asks for ``ONE_CTA_SMEM``
+#: of shared memory, so one CTA runs per SM instead of two (same code and values: only the warps per SM change;
+#: what a fused kernel with one stage-1 warpgroup per SM would keep of stage 1's throughput, kda_fwd.md session
+#: 23). A split per option against none says what each costs.
+DIAG_OPTIONS = ("l2_loads", "no_qg_kgt", "no_wu_store", "no_aqk_store", "no_inverse", "no_v_u", "one_cta")
+#: the ``one_cta`` diagnostic's shared-memory request: more than half of an SM's 228 KB, within a CTA's 227 KB
+ONE_CTA_SMEM = 160 * 1024
 #: the diagnostics that keep stage 1's values (all but no_v_u): what device_round's diag_split times one by one
 SAME_VALUE_DIAGS = tuple(d for d in DIAG_OPTIONS if d != "no_v_u")
 DIAG = tuple(x for x in __import__("os").environ.get("CULA_KDA_TC_DIAG", "").split(",") if x)
@@ -287,7 +291,11 @@ class KdaFwdIntraTC:
             self.tb_layout, self.w_layout, self.aqk_layout,
             num_heads, HV, NC, scale, lower_bound,
         ).launch(grid=[NC, HV, 1], block=[THREADS, 1, 1], stream=stream,
-                 smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=CTAS_PER_SM)
+                 smem=self.launch_smem(SharedStorage.size_in_bytes()), min_blocks_per_mp=CTAS_PER_SM)
+
+    def launch_smem(self, storage_bytes: int) -> int:
+        """Dynamic shared memory the launch asks for: the storage, or ONE_CTA_SMEM under the ``one_cta`` diagnostic."""
+        return max(storage_bytes, ONE_CTA_SMEM) if "one_cta" in self.diag else storage_bytes
 
     def storage_class(self):
         """The kernel's shared memory (see the smem budget in kda_fwd.md): the three B'_I tiles (16, 32, 48
