@@ -121,6 +121,23 @@ def test_parallel_build_shards_compile_each_module_once(tmp_path, monkeypatch, j
     assert sorted(built) == sorted(want)[1:]
 
 
+@pytest.mark.parametrize("argv, pruned", [(["build", "D"], True), (["build", "D", "--jobs", "1"], True),
+                                          (["build", "D", "--scenarios", "split"], False)])
+def test_full_builds_remove_modules_of_older_sources(tmp_path, monkeypatch, argv, pruned):
+    """A full build deletes the modules no scenario needs (older kernel sources) and nothing else; a build of
+    some scenarios cannot tell, so it deletes nothing."""
+    monkeypatch.setattr(aot, "build", lambda out_dir, scenarios, shard=(0, 1): [])
+    monkeypatch.setattr(aot, "build_parallel", lambda out_dir, scenarios, jobs: 0)
+    current = sorted(aot.expected_names(["split"]))[:2]
+    monkeypatch.setattr(aot, "expected_names", lambda scenarios: set(current))
+    stale = f"intra_tc-{'0' * 24}{aot.SUFFIX}"
+    for name in [*current, stale, "notes.txt"]:
+        (tmp_path / name).write_bytes(b"x")
+    argv = [str(tmp_path) if a == "D" else a for a in argv]
+    assert aot.main(argv) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*current, "notes.txt"] + ([] if pruned else [stale]))
+
+
 def test_default_jobs_is_one_per_core_up_to_four():
     assert 1 <= aot.default_jobs() <= 4
 

@@ -13,7 +13,8 @@ A file is named by the launch key and a fingerprint of the kernel sources and th
 
 Build (on any machine, CPU only): ``python -m cula.kernels.common.aot build DIR [--scenarios a,b] [--jobs N]``
 records the launches of ``kda_fwd`` for the device steps' inputs and compiles each distinct one (``SCENARIOS``),
-in N processes (default: one per core, at most four).
+in N processes (default: one per core, at most four); a full build (no ``--scenarios``) then deletes the modules
+of older kernel sources from DIR.
 """
 
 from __future__ import annotations
@@ -340,6 +341,21 @@ def build(out_dir: str, scenarios: Sequence[str], shard: tuple[int, int] = (0, 1
     return done
 
 
+def expected_names(scenarios: Sequence[str]) -> set[str]:
+    """The module file names that ``scenarios`` need from the current kernel sources (~5 s for all)."""
+    return {entry_name(kind, key, specs) for sc in scenarios for kind, key, _, specs in record_launches(sc)}
+
+
+def prune(out_dir: str, keep: set[str]) -> list[str]:
+    """Delete the modules in ``out_dir`` not named in ``keep`` (those of older kernel sources: every edit under
+    ``cula.kernels`` renames all modules, and ``.device`` travels to the device within a 64 MiB carry); other
+    files stay. Returns the deleted names."""
+    gone = sorted(p.name for p in Path(out_dir).glob(f"*{SUFFIX}") if p.name not in keep)
+    for name in gone:
+        (Path(out_dir) / name).unlink()
+    return gone
+
+
 def build_parallel(out_dir: str, scenarios: Sequence[str], jobs: int) -> int:
     """:func:`build` in ``jobs`` processes, each compiling its shard of the modules (one compile keeps one core
     busy for ~6 s); returns the first nonzero exit status, or 0."""
@@ -362,7 +378,8 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     scenarios = list(SCENARIOS)
-    if "--scenarios" in argv:
+    full = "--scenarios" not in argv
+    if not full:
         scenarios = argv[argv.index("--scenarios") + 1].split(",")
     if "--shard" in argv:  # one process of build_parallel
         index, count = (int(x) for x in argv[argv.index("--shard") + 1].split("/"))
@@ -370,9 +387,14 @@ def main(argv: list[str]) -> int:
         return 0
     jobs = int(argv[argv.index("--jobs") + 1]) if "--jobs" in argv else default_jobs()
     if jobs > 1:
-        return build_parallel(argv[1], scenarios, jobs)
-    build(argv[1], scenarios)
-    return 0
+        code = build_parallel(argv[1], scenarios, jobs)
+    else:
+        build(argv[1], scenarios)
+        code = 0
+    if full and code == 0:  # a full build knows every module the device steps can ask for: the rest is stale
+        gone = prune(argv[1], expected_names(scenarios))
+        print(f"aot: removed {len(gone)} modules of older kernel sources", flush=True)
+    return code
 
 
 if __name__ == "__main__":
