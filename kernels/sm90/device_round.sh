@@ -12,6 +12,15 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . >"$OUT/install.log" 2>&1 \
     || { echo "== install failed"; tail -5 "$OUT/install.log"; }
 steps=${*:-decode bench_gpu kda_check packed}
+# "next": the next session's plan (docs/DEVICE.md), chosen by the card that came, so that no call is spent on a
+# guard: on an H200 the suites to publish (CULA_GIT_SHA set), then one_cta; on another card one_cta alone
+if [[ " $steps " == *" next "* ]]; then
+    plan="one_cta"
+    nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 \
+        && plan="kda_suite kda_layer_suite train_suite one_cta"
+    steps=$(echo " $steps " | sed "s/ next / $plan /" | xargs)
+    echo "== next: $steps"
+fi
 start=$SECONDS
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 t=$2; shift 2

@@ -1,0 +1,53 @@
+"""kernels/sm90/device_round.sh as a dry run: stand-ins for nvidia-smi, python3 and timeout record which
+steps a call would run, so a plan is checked before device time is spent on it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "kernels" / "sm90" / "device_round.sh"
+
+
+def dry_run(tmp_path: Path, gpu: str, *steps: str) -> list[str]:
+    """The commands the script hands to ``timeout`` on a machine whose GPU is ``gpu``."""
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    log = tmp_path / "commands.log"
+    scripts = {
+        "nvidia-smi": f'echo "{gpu}"',
+        "python3": "exit 0",
+        # timeout SECONDS CMD...: record the command, run nothing
+        "timeout": f'shift; echo "$*" >> "{log}"',
+    }
+    for name, body in scripts.items():
+        path = shims / name
+        path.write_text(f"#!/usr/bin/env bash\n{body}\n")
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    env = dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), CULA_AOT_DIR="x")
+    res = subprocess.run(["bash", str(SCRIPT), *steps], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return log.read_text().splitlines() if log.exists() else []
+
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def test_next_on_an_h200_publishes_then_splits(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H200", "next")
+    suites = [c.split("--suite ")[1].split()[0] for c in cmds if "cula.cli bench" in c]
+    assert suites == ["kda", "kda_layer", "kda_train"]
+    splits = [c for c in cmds if "--split worst" in c]
+    assert len(splits) == 4 and cmds[-4:] == splits
+    assert [("CULA_KDA_TC_DIAG=one_cta" in c) for c in splits] == [False, True, False, True]
+
+
+def test_next_on_an_h100_only_splits(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "next")
+    assert len(cmds) == 4 and all("--split worst" in c for c in cmds)
+    assert sum("CULA_KDA_TC_DIAG=one_cta" in c for c in cmds) == 2
