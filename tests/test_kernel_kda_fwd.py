@@ -392,6 +392,50 @@ def test_tc_algorithm_matches_exact_stages(B, T, H, HV, cu, lb, a_scale, neg):
         assert (a - b).norm() / b.norm() < 1e-2, name
 
 
+@pytest.mark.parametrize("lb, a_scale, neg", [(-5.0, 0.5, False), (-5.0, 3.0, True), (-5.36, 3.0, False),
+                                              (-0.1, 0.5, False)])
+def test_tc_factor_block_32_matches_exact_stages_as_block_16_does(lb, a_scale, neg):
+    """32-row reference-factor blocks (FACTOR_BLOCKS; bounds >= BLOCK32_MIN_LOWER_BOUND), the torch model: the
+    exact stage-1 scratch within the same bf16 error as the 16-row blocks (a_scale 3 saturates the gates at the
+    bound, where the factors are largest: 2^(15.5 |lb| / ln 2) = 2^120 at lb = -5.36)."""
+    from cula.kernels.sm90 import kda_fwd_intra_tc as tc
+
+    assert lb >= tc.BLOCK32_MIN_LOWER_BOUND
+    args, kw = _case(1, 200, 1, 2, [0, 0, 15, 79, 200], seed=3, use_gate_in_kernel=True,
+                     use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg,
+                     lower_bound=lb, safe_gate=True)
+    kw["A_log"] = kw["A_log"] / 0.5 * a_scale
+    _, _, exact = kda_fwd.emulate_stages(*args, **kw, dtype=torch.float64)
+    qf, kf, vf, gf, bf = kda_fwd._flatten(*args)
+    chunks, _, _ = kda_fwd.chunk_tables(kw["cu_seqlens"])
+    errs = {}
+    for block in tc.FACTOR_BLOCKS:
+        model = tc.emulate(*(x.bfloat16() for x in (qf, kf, vf, gf, bf)), chunks, 128 ** -0.5, lb, kw["A_log"],
+                           kw["dt_bias"], use_qk_l2norm=True, use_beta_sigmoid=True, allow_neg_eigval=neg,
+                           factor_block=block)
+        for name in ("w", "u", "qg", "aqk", "kgt", "gam"):
+            a, b = model[name].double(), exact[name].double()
+            assert torch.isfinite(a).all(), (block, name)
+            errs[block, name] = ((a - b).norm() / b.norm()).item()
+    for name in ("w", "u", "qg", "aqk", "kgt", "gam"):
+        assert errs[32, name] < 1e-2, (name, errs[32, name])
+        # the same roundings of the same values, except where the off-diagonal B factor is formed
+        assert errs[32, name] <= 1.25 * errs[16, name] + 1e-4, (name, errs[32, name], errs[16, name])
+
+
+def test_tc_factor_block_32_overflows_below_its_bound():
+    """Past BLOCK32_MIN_LOWER_BOUND the 32-row factors leave fp32's range on saturated gates (why the host
+    keeps the 16-row blocks there)."""
+    from cula.kernels.sm90 import kda_fwd_intra_tc as tc
+
+    lb = -11.0
+    assert lb < tc.BLOCK32_MIN_LOWER_BOUND
+    gam = torch.arange(32, dtype=torch.float32) * (lb * tc.RCP_LN2)  # every gate at the bound
+    shift = tc.factor_shift(32) * lb
+    assert not torch.isfinite(torch.exp2(-(gam - (gam[0] - shift)))).all()
+    assert torch.isfinite(torch.exp2(-(gam[:16] - (gam[0] - tc.factor_shift(16) * lb)))).all()
+
+
 @pytest.mark.parametrize("lb, depth", [(-5.0, 4.0), (None, 30.0)])
 def test_tc_log_gate_matches_exact_stages(lb, depth):
     """The log-space gate on the tensor-core stage 1 (safe_gate): the torch model against the exact stages,

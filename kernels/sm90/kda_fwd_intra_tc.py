@@ -73,6 +73,12 @@ YPAD = 2 * SUB  # fp32 row pitch of the inverse's 32x32 scratch Y
 #: sKb1); the inverse's scratch Y starts after sA's overrun
 INV_SPILL = CHUNK * PAD - CHUNK * DK // 2
 PAIRS = ((1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (3, 2))  # (I, J) off-diagonal block pairs, I > J
+#: Rows per reference-factor block (``CULA_KDA_TC_FACTOR_BLOCK``): 16 (the default) takes every bound down to
+#: MIN_LOWER_BOUND; 32 needs ``lower_bound >= BLOCK32_MIN_LOWER_BOUND`` and has one off-diagonal block instead of
+#: six (one B' tile of 32 rows, one m64n32 product per matrix; kda_fwd.md, What is next, session 23). Opt-in until
+#: its GPU checks pass.
+FACTOR_BLOCKS = (16, 32)
+FACTOR_BLOCK = int(__import__("os").environ.get("CULA_KDA_TC_FACTOR_BLOCK", "16"))
 RCP_LN2 = 1.0 / math.log(2.0)
 L2NORM_EPS = 1e-6
 #: The gate bound this kernel takes: the diagonal factors reach 2^(7.5 |lb| / ln 2) = 2^119 at lb = -11
@@ -84,6 +90,9 @@ MIN_LOWER_BOUND = -11.0
 #: more than e^-11 = 1.7e-5 decays it by exactly that. The exact result differs by at most that factor
 #: times what the clamped decay was applied to, 1.7e-5 relative, far below bf16's 3.9e-3 rounding of o.
 SOFTPLUS_FLOOR = MIN_LOWER_BOUND
+#: 32-row factor blocks: the factors reach 2^(15.5 |lb| / ln 2) and the off-diagonal accumulator sums 128 such
+#: terms, within 2^127 while 15.5 |lb| / ln 2 <= 120
+BLOCK32_MIN_LOWER_BOUND = -120.0 * math.log(2.0) / 15.5
 SOFTPLUS_THRESHOLD = 20.0  # softplus(z) = z above it, as torch's and FLA's
 LOG2E = 1.0 / math.log(2.0)
 SMEM_PER_SM = 233472  # H100/H200: answers the DSL's device query on a CPU compile
@@ -141,6 +150,11 @@ SPLIT_PASSES = ((0, 0), (0, 1), (1, 0))  # (A part, B part) of each pass, 0 = hi
 
 BF16 = cutlass.BFloat16
 F32 = cutlass.Float32
+
+
+def factor_shift(block: int) -> float:
+    """``shift / lower_bound``: half of a ``block``-row block's largest gate range, in log2 units (negated)."""
+    return -(block / 2 - 0.5) * RCP_LN2
 
 
 def pair_index(i_blk: int, j_blk: int) -> int:
@@ -1329,7 +1343,7 @@ def compile_targets():
 # ------------------------------------------------------------------------------------------------
 def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=None,
             use_qk_l2norm=False, use_beta_sigmoid=False, allow_neg_eigval=False, softplus_gate=False,
-            log_gate=False):
+            log_gate=False, factor_block=SUB):
     """The stage-1 scratch exactly as this kernel forms it, in torch (CPU or GPU).
 
     ``q, k: [TT, H, 128]``, ``v, g: [TT, HV, 128]``, ``beta: [TT, HV]`` (flattened tokens), ``chunks``
@@ -1338,7 +1352,9 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
     diagonal the factor is on the B side, K̂ ⊙ bf16(2^(R_I − E_J)) rounded once (what mul.bf16x2 does),
     and the product times 2^-shift in fp32; ``softplus_gate``: the softplus gate clamped at
     ``lower_bound`` (``SOFTPLUS_FLOOR``); ``log_gate``: ``g`` is the log-space decay, clamped to
-    ``[lower_bound, 0]``. It exists to test the algorithm (reference factors, block
+    ``[lower_bound, 0]``; ``factor_block`` 32: the reference factors per 32-row block (``FACTOR_BLOCKS``), one
+    off-diagonal block whose B factor ``k̂ 2^(R − Γ)`` is formed in fp32 and rounded once. It exists to test the
+    algorithm (reference factors, block
     inverse, where bf16 rounding happens) on a CPU against the exact emulation; the GPU check compares
     the kernel with ``kda_fwd.emulate_stages`` directly.
     """
@@ -1381,11 +1397,12 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
         nq = scale * torch.rsqrt((qc * qc).sum(-1, keepdim=True) + L2NORM_EPS)
         nk = torch.rsqrt((kc * kc).sum(-1, keepdim=True) + L2NORM_EPS)
     qs, ks = qc * nq, kc * nk
-    shift = -7.5 * RCP_LN2 * lower_bound
-    blk_first = gam[:, :, ::SUB]  # Γ at rows 16 I: [NC, HV, 4, K]
-    blk_last = gam[:, :, SUB - 1::SUB]  # E_I
-    cref = (blk_first - shift).repeat_interleave(SUB, 2)
-    eref = blk_last.repeat_interleave(SUB, 2)
+    fbk = factor_block
+    shift = factor_shift(fbk) * lower_bound
+    blk_first = gam[:, :, ::fbk]  # Γ at rows fbk I: [NC, HV, 64 / fbk, K]
+    blk_last = gam[:, :, fbk - 1::fbk]  # E_I
+    cref = (blk_first - shift).repeat_interleave(fbk, 2)
+    eref = blk_last.repeat_interleave(fbk, 2)
     last = gam[:, :, -1:]
     fb = torch.exp2(cref - gam)
     ka = (ks * torch.exp2(gam - cref)).to(bf16)
@@ -1402,14 +1419,18 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
     aqk = torch.zeros_like(aqk_d)
     ii = rows[:, None]
     jj = rows[None, :]
-    same = (ii // SUB) == (jj // SUB)
+    same = (ii // fbk) == (jj // fbk)
     akk = torch.where(same & (jj < ii), akk_d, akk)
     aqk = torch.where(same & (jj <= ii), aqk_d, aqk)
-    for ib, jb in PAIRS:
-        r = slice(ib * SUB, (ib + 1) * SUB)
-        cs = slice(jb * SUB, (jb + 1) * SUB)
-        f_ij = torch.exp2(blk_first[:, :, ib] - blk_last[:, :, jb]).to(bf16)  # 2^(R_I − E_J)
-        b = (kh[:, :, cs] * f_ij[:, :, None]).float().transpose(-1, -2)
+    for ib, jb in (PAIRS if fbk == SUB else ((1, 0),)):
+        r = slice(ib * fbk, (ib + 1) * fbk)
+        cs = slice(jb * fbk, (jb + 1) * fbk)
+        if fbk == SUB:
+            f_ij = torch.exp2(blk_first[:, :, ib] - blk_last[:, :, jb]).to(bf16)  # 2^(R_I − E_J)
+            b = (kh[:, :, cs] * f_ij[:, :, None]).float().transpose(-1, -2)
+        else:  # K̃ (fp32) times 2^(R_1 − C_0), rounded once
+            f_rc = torch.exp2(blk_first[:, :, ib] - (blk_first[:, :, jb] - shift))
+            b = (ks[:, :, cs] * fb[:, :, cs] * f_rc[:, :, None]).to(bf16).float().transpose(-1, -2)
         akk[:, :, r, cs] = (ka[:, :, r].float() @ b) * 2.0 ** -shift
         aqk[:, :, r, cs] = (qa[:, :, r].float() @ b) * 2.0 ** -shift
     akk = akk * bc[..., :, None]
