@@ -16,6 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "kernels" / "sm90" / "device_roun
 
 def dry_run(tmp_path: Path, gpu: str, *steps: str) -> list[str]:
     """The commands the script hands to ``timeout`` on a machine whose GPU is ``gpu``."""
+    tmp_path.mkdir(exist_ok=True)
     shims = tmp_path / "bin"
     shims.mkdir()
     log = tmp_path / "commands.log"
@@ -47,7 +48,21 @@ def test_next_on_an_h200_publishes_then_splits(tmp_path):
     assert [("CULA_KDA_TC_DIAG=one_cta" in c) for c in splits] == [False, True, False, True]
 
 
-def test_next_on_an_h100_only_splits(tmp_path):
+def test_next_on_an_h100_splits_one_cta_then_checks_block32(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "next")
-    assert len(cmds) == 4 and all("--split worst" in c for c in cmds)
-    assert sum("CULA_KDA_TC_DIAG=one_cta" in c for c in cmds) == 2
+    assert not any("cula.cli bench" in c for c in cmds)
+    assert all("--split worst" in c for c in cmds[:4]) and sum("CULA_KDA_TC_DIAG=one_cta" in c for c in cmds) == 2
+    assert cmds[4:] == dry_run(tmp_path / "b", "NVIDIA H100 80GB HBM3", "block32")
+
+
+def test_block32_checks_name_real_cases_then_splits(tmp_path):
+    from cula.kernels.sm90.kda_fwd_check import CASES
+
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "block32")
+    check = cmds[0]
+    assert "CULA_KDA_TC_FACTOR_BLOCK=32" in check and "--no-bench" in check
+    names = check.split("--cases ")[1].split()[0].split(",")
+    assert len(names) == 9 and set(names) <= {c[0] for c in CASES}
+    assert {"tc-lb5-strong", "tc-lb536-strong"} <= set(names)
+    splits = cmds[1:]
+    assert [("CULA_KDA_TC_FACTOR_BLOCK=32" in c) for c in splits] == [False, True, False, True]

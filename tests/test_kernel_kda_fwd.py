@@ -423,6 +423,35 @@ def test_tc_factor_block_32_matches_exact_stages_as_block_16_does(lb, a_scale, n
         assert errs[32, name] <= 1.25 * errs[16, name] + 1e-4, (name, errs[32, name], errs[16, name])
 
 
+def test_factor_block_is_chosen_by_the_bound(monkeypatch):
+    """The host asks for 32-row factor blocks only when CULA_KDA_TC_FACTOR_BLOCK does and the kernel's bound allows."""
+    from cula.kernels.sm90 import kda_fwd_intra_tc as tc
+
+    assert tc.FACTOR_BLOCK == 16 and kda_fwd.factor_block(-5.0, False) == 16  # the default
+    monkeypatch.setattr(tc, "FACTOR_BLOCK", 32)
+    assert kda_fwd.factor_block(-5.0, False) == 32 and kda_fwd.factor_block(-0.1, False) == 32
+    assert kda_fwd.factor_block(tc.BLOCK32_MIN_LOWER_BOUND, False) == 32
+    assert kda_fwd.factor_block(-5.4, False) == 16 and kda_fwd.factor_block(-11.0, False) == 16
+    assert kda_fwd.factor_block(tc.SOFTPLUS_FLOOR, True) == 16
+
+
+def test_factor_block_32_keeps_the_default_smem_and_fewer_registers():
+    """The 32-row mode's PTX: wgmma (one m64n32 off-diagonal product a matrix), no spills, at most the default's
+    registers; the kernel's shared memory is the same struct (two CTAs per SM)."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common.ptx_check import ptx_reports
+    from cula.kernels.sm90 import kda_fwd_intra_tc as tc
+
+    reports = ptx_reports("cula.kernels.sm90.kda_fwd_intra_tc", ["t_out", "t_out_block32"])
+    base, b32 = reports["t_out"], reports["t_out_block32"]
+    assert b32.spill_bytes == 0 and "wgmma.mma_async" in b32.ptx
+    assert b32.kernels[0].registers <= base.kernels[0].registers
+    assert b32.ptx.count("wgmma.mma_async") < base.ptx.count("wgmma.mma_async")
+    with pytest.raises(ValueError, match="CULA_KDA_TC_FACTOR_BLOCK"):
+        tc.KdaFwdIntraTC(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
+                         allow_neg_eigval=False, group=1, factor_block=24)
+
+
 def test_tc_factor_block_32_overflows_below_its_bound():
     """Past BLOCK32_MIN_LOWER_BOUND the 32-row factors leave fp32's range on saturated gates (why the host
     keeps the 16-row blocks there)."""

@@ -13,9 +13,10 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . >"$OU
     || { echo "== install failed"; tail -5 "$OUT/install.log"; }
 steps=${*:-decode bench_gpu kda_check packed}
 # "next": the next session's plan (docs/DEVICE.md), chosen by the card that came, so that no call is spent on a
-# guard: on an H200 the suites to publish (CULA_GIT_SHA set), then one_cta; on another card one_cta alone
+# guard: on an H200 the suites to publish (CULA_GIT_SHA set), then one_cta (block32 in a second call: the ten
+# minutes of one call do not hold all of it); on another card one_cta and block32
 if [[ " $steps " == *" next "* ]]; then
-    plan="one_cta"
+    plan="one_cta block32"
     nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 \
         && plan="kda_suite kda_layer_suite train_suite one_cta"
     steps=$(echo " $steps " | sed "s/ next / $plan /" | xargs)
@@ -44,7 +45,8 @@ s21_check() {
 }
 mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 mode, in the order given
     # default = halves + right; pre21 = direct + left (the pre-session-21 stage 1); direct = direct + right;
-    # left = halves + left; one_cta = the default at one CTA per SM (timing diagnostic: same code and values)
+    # left = halves + left; one_cta = the default at one CTA per SM (timing diagnostic: same code and values);
+    # block32 = 32-row reference-factor blocks where the bound allows (the split rows' lb -5 does)
     local prefix=$1 m envs
     shift
     for m in "$@"; do
@@ -54,6 +56,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         direct) envs="CULA_KDA_TC_GATE_FACTORS=direct" ;;
         left) envs="CULA_KDA_TC_SUBST=left" ;;
         one_cta) envs="CULA_KDA_TC_DIAG=one_cta" ;;
+        block32) envs="CULA_KDA_TC_FACTOR_BLOCK=32" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
@@ -255,6 +258,14 @@ for s in $steps; do
     one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, What is
         # next, session 23), twice in turn (<= 120 s; AOT scenario diag_one_cta)
         mode_splits one_cta_split default one_cta default one_cta ;;
+    block32)  # session 23: 32-row reference-factor blocks (CULA_KDA_TC_FACTOR_BLOCK=32, CPU-compiled only): the
+        # tensor-core checks whose bound takes them (>= -5.366; lb11 and the softplus floor keep 16-row blocks),
+        # gates saturated at -5 and -5.36 among them, then default / block32 splits twice (<= 300 s; AOT
+        # scenarios block32_checks, block32_split)
+        step block32_check 200 env CULA_KDA_TC_FACTOR_BLOCK=32 python3 -u -m cula.kernels.sm90.kda_fwd --check \
+            --no-bench --cases tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-varlen-33,tc-lb5-strong,\
+tc-lb536-strong,tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
+        mode_splits block32_split default block32 default block32 ;;
     s21_check)  # the first half of s21_defaults alone (an H200 call: the checks, then the suites)
         s21_check ;;
     s21_splits)  # the second half

@@ -662,6 +662,8 @@ def kda_fwd(
             tc_flags.update(gate_factors=intra_tc.GATE_FACTORS)
         if intra_tc.SUBST != intra_tc.SUBST_MODES[0]:
             tc_flags.update(subst=intra_tc.SUBST)
+        if factor_block(lb, softplus_tc) != intra_tc.FACTOR_BLOCKS[0]:
+            tc_flags.update(factor_block=factor_block(lb, softplus_tc))
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
             if set(intra_tc.DIAG) - {"one_cta"}:  # one_cta changes only the warps per SM
                 warnings.warn(f"CULA_KDA_TC_DIAG={','.join(intra_tc.DIAG)}: stage 1's outputs are wrong (timing "
@@ -831,6 +833,18 @@ def _fork_overlap(dev: torch.device):
 
 def _join_overlap(main, side) -> None:
     main.wait_stream(side)
+
+
+def factor_block(lower_bound: float, softplus_gate: bool) -> int:
+    """Rows per reference-factor block of the tensor-core stage 1 for the bound its kernel is given: the
+    ``CULA_KDA_TC_FACTOR_BLOCK`` choice (16 unless set) where the bound allows it (32 needs ``lower_bound >=
+    BLOCK32_MIN_LOWER_BOUND``; the softplus gate's floor never does), 16 otherwise."""
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+
+    block = intra_tc.FACTOR_BLOCK
+    if block != intra_tc.FACTOR_BLOCKS[0] and (softplus_gate or lower_bound < intra_tc.BLOCK32_MIN_LOWER_BOUND):
+        return intra_tc.FACTOR_BLOCKS[0]
+    return block
 
 
 def intra_kind(use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_bound: float | None,

@@ -40,6 +40,10 @@ CASES = [
     # safe_gate caps the bound at -5 (FLA's contract); without it any bound goes, and stage 1 stays on
     # tensor cores down to MIN_LOWER_BOUND = -11 (gates saturated at the bound here)
     ("tc-lb11-strong", 1, 300, 2, 2, None, dict(_TC, safe_gate=False, lower_bound=-11.0, a_log_scale=3.0)),
+    # gates saturated at bounds the 32-row factor blocks take (FACTOR_BLOCKS): -5 (factors up to 2^112) and
+    # their limit (2^120)
+    ("tc-lb5-strong", 1, 300, 2, 2, None, dict(_TC, lower_bound=-5.0, a_log_scale=3.0)),
+    ("tc-lb536-strong", 1, 300, 2, 2, None, dict(_TC, safe_gate=False, lower_bound=-5.36, a_log_scale=3.0)),
     ("tc-fp32-gate-plainbeta", 1, 190, 2, 4, None, dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                                          lower_bound=-5.0, g_fp32=True)),
     # FLA's layer call: the softplus gate without a bound, which the tensor-core stage 1 clamps at

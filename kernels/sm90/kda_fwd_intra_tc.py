@@ -184,6 +184,7 @@ class KdaFwdIntraTC:
         diag: tuple = (),
         gate_factors: str = GATE_FACTOR_MODES[0],
         subst: str = SUBST_MODES[0],
+        factor_block: int = FACTOR_BLOCKS[0],
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -220,6 +221,11 @@ class KdaFwdIntraTC:
         if subst not in SUBST_MODES:
             raise ValueError(f"subst (CULA_KDA_TC_SUBST): expected one of {SUBST_MODES}, got {subst!r}")
         self.subst = subst  # SUBST
+        if factor_block not in FACTOR_BLOCKS:
+            raise ValueError(f"factor_block (CULA_KDA_TC_FACTOR_BLOCK): expected one of {FACTOR_BLOCKS}, "
+                             f"got {factor_block!r}")
+        assert factor_block == SUB or not softplus_gate, "32-row blocks: the softplus gate's floor is below their bound"
+        self.factor_block = factor_block  # FACTOR_BLOCK; the host takes 32 only for bounds >= BLOCK32_MIN_LOWER_BOUND
         # when to signal griddepcontrol.launch_dependents: "start" (on entry: stage 2, launched with
         # programmatic dependent launch, may start once every CTA of this grid is resident, i.e. during
         # the last wave), "end" (after the chunk's work) or "" (never: stage 2 starts at this grid's end)
@@ -432,11 +438,12 @@ class KdaFwdIntraTC:
         tot_col[0] = F32(0.0)
         for gq in cutlass.range_constexpr(GROUPS):
             tot_col[gq + 1] = tot_col[gq] + sTot[gq, col]
-        for p in cutlass.range_constexpr(len(PAIRS)):
-            ib, jb = PAIRS[p]
-            r_i = tot_col[gpb * ib] + sFirst[ib, col]  # R_I: Γ at row 16 I
-            e_j = tot_col[gpb * jb + gpb]
-            sC[p, col] = BF16(cute.math.exp2(r_i - e_j, fastmath=True))
+        if cutlass.const_expr(self.factor_block == SUB):  # 32-row blocks fold their one factor in phase 2
+            for p in cutlass.range_constexpr(len(PAIRS)):
+                ib, jb = PAIRS[p]
+                r_i = tot_col[gpb * ib] + sFirst[ib, col]  # R_I: Γ at row 16 I
+                e_j = tot_col[gpb * jb + gpb]
+                sC[p, col] = BF16(cute.math.exp2(r_i - e_j, fastmath=True))
         for gq in cutlass.range_constexpr(GROUPS + 1):
             sTot[gq, col] = tot_col[gq]
 
@@ -455,6 +462,23 @@ class KdaFwdIntraTC:
                     v = acc_rows[ib - 1][e]
             v = v * unshift  # (zero where wl <= jb)
         if wl == jb:
+            if j < i + incl:
+                v = acc_diag[e]
+        return v
+
+    @cute.jit
+    def lower_value32(self, e: cutlass.Constexpr, i, j, acc_diag: cute.Tensor, acc_off: cute.Tensor, wl, incl,
+                      per_blk: cutlass.Constexpr, unshift):
+        """:meth:`lower_value` for 32-row factor blocks: rows 32.. take columns 0..31 from the one off-diagonal
+        product ``acc_off`` (m64n32, a prefix of the m64n64 fragment) times ``unshift``; within a 32-row block
+        the diagonal product's where ``j < i + incl``; zero elsewhere."""
+        jb = (e // per_blk) // 2  # the 32-column block of value e
+        v = F32(0.0)
+        if cutlass.const_expr(jb == 0):
+            if wl >= 2:
+                v = acc_off[e]
+            v = v * unshift
+        if wl // 2 == jb:
             if j < i + incl:
                 v = acc_diag[e]
         return v
@@ -682,8 +706,10 @@ class KdaFwdIntraTC:
         cute.arch.sync_threads()
 
         # ============================================ phase 2: reference factors and operand tiles
-        shift = lower_bound * F32(-7.5 * RCP_LN2)  # half of a block's largest gate range (log2)
-        blk = grp // GROUPS_PER_BLOCK  # this thread's 16-row block (= warp)
+        fbk = self.factor_block
+        fgpb = fbk // ROWS_PER_THREAD  # row groups per factor block
+        shift = lower_bound * F32(factor_shift(fbk))  # half of a block's largest gate range (log2)
+        blk = grp // fgpb  # this thread's factor block (16 rows: its warp)
         # column pass (thread = column tidx): the group totals' exclusive prefix in place, the chunk total
         # in row groups, and the off-diagonal factors 2^(C_I − E_J); then every thread reads the few
         # prefixes it needs as 16-byte vectors (instead of selecting them out of a 64-step scan)
@@ -695,12 +721,21 @@ class KdaFwdIntraTC:
         run = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # Γ at the chunk end
         first = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         cute.autovec_copy(_vec(sTot.iterator, grp * DK + d0, COLS_PER_THREAD), pre)
-        cute.autovec_copy(_vec(sTot.iterator, GROUPS_PER_BLOCK * blk * DK + d0, COLS_PER_THREAD), cref)
-        cute.autovec_copy(_vec(sTot.iterator, GROUPS_PER_BLOCK * (blk + 1) * DK + d0, COLS_PER_THREAD), eref)
+        cute.autovec_copy(_vec(sTot.iterator, fgpb * blk * DK + d0, COLS_PER_THREAD), cref)
+        cute.autovec_copy(_vec(sTot.iterator, fgpb * (blk + 1) * DK + d0, COLS_PER_THREAD), eref)
         cute.autovec_copy(_vec(sTot.iterator, GROUPS * DK + d0, COLS_PER_THREAD), run)
-        cute.autovec_copy(_vec(sFirst.iterator, blk * DK + d0, COLS_PER_THREAD), first)
+        cute.autovec_copy(_vec(sFirst.iterator, (fbk // SUB) * blk * DK + d0, COLS_PER_THREAD), first)
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             cref[c] = cref[c] + first[c] - shift
+        # 32-row blocks: the one off-diagonal block's B operand, k̂ 2^(R − Γ) (R = Γ at row 32, <= 1), is K̃ times
+        # fpair = 2^(R − C_0), formed here for block 0's rows (2^(R − C_0) >= 2^(−16.5 |lb| / ln 2): normal)
+        fpair = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+        if cutlass.const_expr(fbk != SUB):
+            rtot = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+            cute.autovec_copy(_vec(sTot.iterator, fgpb * DK + d0, COLS_PER_THREAD), rtot)
+            cute.autovec_copy(_vec(sFirst.iterator, (fbk // SUB) * DK + d0, COLS_PER_THREAD), fpair)
+            for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                fpair[c] = cute.math.exp2(rtot[c] + fpair[c] - cref[c], fastmath=True)
         fh = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # 2^(E − C): K̃ -> K̂
         fk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # 2^(Γ_last − E): K̂ -> kg
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
@@ -775,9 +810,17 @@ class KdaFwdIntraTC:
             _st8(a_layout, qa_raw, (r, d0, 0), obf)
             obf.store(kt.load().to(BF16))
             _st8(kt_layout, kt_raw, (r, d0, 0), obf)
-            if warp < NBLK - 1:  # K̂ of block 3 is never a B operand
-                obf.store(kh.load().to(BF16))
-                _st8(kb3_layout, kb_raws[2], (r, d0, 0), obf)
+            if cutlass.const_expr(fbk == SUB):
+                if warp < NBLK - 1:  # K̂ of block 3 is never a B operand
+                    obf.store(kh.load().to(BF16))
+                    _st8(kb3_layout, kb_raws[2], (r, d0, 0), obf)
+            else:
+                if warp < 2:  # rows 0..31: the off-diagonal block's B operand, into the 32-row B' tile
+                    bp = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+                    for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                        bp[c] = kt[c] * fpair[c]
+                    obf.store(bp.load().to(BF16))
+                    _st8(kb2_layout, kb_raws[1], (r, d0, 0), obf)
             obf.store(xx.load().to(BF16))
             _st8(x_layout, x_raw, (d0, r, 0), obf)
             obf.store(qg.load().to(BF16))
@@ -801,9 +844,10 @@ class KdaFwdIntraTC:
             _vec(pGam, (hv * NC + chunk) * DK + d0, COLS_PER_THREAD).store(gam_out.load())
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
-        self.offdiag_b(sC, kb_raws, (kb1_layout, kb2_layout, kb3_layout), tidx)
-        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-        cute.arch.sync_threads()
+        if cutlass.const_expr(fbk == SUB):
+            self.offdiag_b(sC, kb_raws, (kb1_layout, kb2_layout, kb3_layout), tidx)
+            cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+            cute.arch.sync_threads()
 
         # ================================================================ phase 3: Akk, Aqk on wgmma
         a_tiles = (sKa, sQa)
@@ -816,14 +860,15 @@ class KdaFwdIntraTC:
         for x in cutlass.range_constexpr(nprod):
             _gemm_ss(mma_diag, acc_d[x], tA_d[x], tBkt)
         acc_ob = [[] for _ in a_tiles]  # [product][row block I - 1], m64n(16 I)
-        # row block I's off-diagonal part is rows 16 I.. of Ka B'_Iᵀ (the other rows are never read)
-        for ib in cutlass.range_constexpr(1, NBLK):
-            mma_i = (mma_off1, mma_off2, mma_off3)[ib - 1]
+        # row block I's off-diagonal part is rows 16 I.. of Ka B'_Iᵀ (the other rows are never read); 32-row
+        # blocks: one product, rows 32.. of Ka B'ᵀ (m64n32, B' in the 32-row tile)
+        for ib in cutlass.range_constexpr(1, NBLK if fbk == SUB else 2):
+            mma_i = (mma_off1, mma_off2, mma_off3)[ib - 1] if fbk == SUB else mma_off2
             thr_i = mma_i.get_slice(tidx)
-            tB_i = thr_i.make_fragment_B(thr_i.partition_B(kb_tiles[ib - 1]))
+            tB_i = thr_i.make_fragment_B(thr_i.partition_B(kb_tiles[ib - 1 if fbk == SUB else 1]))
             for x in cutlass.range_constexpr(nprod):
                 tA_i = thr_i.make_fragment_A(thr_i.partition_A(a_tiles[x]))
-                acc_i = thr_i.make_fragment_C(thr_i.partition_shape_C((CHUNK, SUB * ib)))
+                acc_i = thr_i.make_fragment_C(thr_i.partition_shape_C((CHUNK, SUB * ib if fbk == SUB else 2 * SUB)))
                 _gemm_ss(mma_i, acc_i, tA_i, tB_i)
                 acc_ob[x].append(acc_i)
         warpgroup.commit_group()
@@ -839,8 +884,12 @@ class KdaFwdIntraTC:
         unshift = cute.math.exp2(-shift, fastmath=True)  # 2^(C_I − R_I): what Ka B'_Iᵀ carries extra
         for e in cutlass.range_constexpr(cute.size(acc_d[0])):
             i, j = cD[e]
-            sA[i, j] = self.lower_value(e, i, j, acc_d[0], acc_ob[0], warp, 0, per_blk, unshift) * sBeta[i]
-            rAqk[e] = self.lower_value(e, i, j, acc_d[1], acc_ob[1], warp, 1, per_blk, unshift).to(BF16)
+            if cutlass.const_expr(fbk == SUB):
+                sA[i, j] = self.lower_value(e, i, j, acc_d[0], acc_ob[0], warp, 0, per_blk, unshift) * sBeta[i]
+                rAqk[e] = self.lower_value(e, i, j, acc_d[1], acc_ob[1], warp, 1, per_blk, unshift).to(BF16)
+            else:
+                sA[i, j] = self.lower_value32(e, i, j, acc_d[0], acc_ob[0][0], warp, 0, per_blk, unshift) * sBeta[i]
+                rAqk[e] = self.lower_value32(e, i, j, acc_d[1], acc_ob[1][0], warp, 1, per_blk, unshift).to(BF16)
         st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BF16)
         st_d = cute.make_tiled_copy_C(st_atom, mma_diag)
         cute.copy(st_d, st_d.retile(rAqk), st_d.get_slice(tidx).partition_D(sAqk[None, None, 0]))
@@ -1333,6 +1382,9 @@ def compile_targets():
         "t_out_gate_direct": build(cutlass.BFloat16, **full, t_out=True, gate_factors="direct"),
         "t_out_subst_left": build(cutlass.BFloat16, **full, t_out=True, subst="left"),
         "t_out_direct_left": build(cutlass.BFloat16, **full, t_out=True, gate_factors="direct", subst="left"),
+        # 32-row reference-factor blocks (FACTOR_BLOCKS) on the default stage 1, and with the training outputs
+        "t_out_block32": build(cutlass.BFloat16, **full, t_out=True, factor_block=32),
+        "emit_akk_block32": build(cutlass.BFloat16, **full, emit_akk=True, factor_block=32),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
         "log_gate": build(cutlass.Float32, **{**full, "has_a_log": False, "has_dt_bias": False}, log_gate=True),
     }
