@@ -65,4 +65,5 @@ def test_block32_checks_name_real_cases_then_splits(tmp_path):
     assert len(names) == 9 and set(names) <= {c[0] for c in CASES}
     assert {"tc-lb5-strong", "tc-lb536-strong"} <= set(names)
     splits = cmds[1:]
-    assert [("CULA_KDA_TC_FACTOR_BLOCK=32" in c) for c in splits] == [False, True, False, True]
+    assert [("CULA_KDA_TC_FACTOR_BLOCK=32" in c) for c in splits] == [False, True, True] * 2
+    assert [("CULA_KDA_TC_GATE_FACTORS=direct" in c) for c in splits] == [False, False, True] * 2

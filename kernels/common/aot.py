@@ -170,6 +170,7 @@ SCENARIOS = {
     # device_round block32: 32-row reference-factor blocks (bounds >= BLOCK32_MIN_LOWER_BOUND) in checks and splits
     **{f"block32_{w}": (what, {"intra_tc.FACTOR_BLOCK": 32})
        for w, what in (("checks", "tc"), ("split", "split"))},
+    "block32_direct_split": ("split", {"intra_tc.FACTOR_BLOCK": 32, "intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1]}),
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 

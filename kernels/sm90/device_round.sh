@@ -46,7 +46,8 @@ s21_check() {
 mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 mode, in the order given
     # default = halves + right; pre21 = direct + left (the pre-session-21 stage 1); direct = direct + right;
     # left = halves + left; one_cta = the default at one CTA per SM (timing diagnostic: same code and values);
-    # block32 = 32-row reference-factor blocks where the bound allows (the split rows' lb -5 does)
+    # block32 = 32-row reference-factor blocks where the bound allows (the split rows' lb -5 does); block32_direct
+    # = the same with 2^Γ by exp2 (timing: its checks have not run)
     local prefix=$1 m envs
     shift
     for m in "$@"; do
@@ -57,6 +58,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         left) envs="CULA_KDA_TC_SUBST=left" ;;
         one_cta) envs="CULA_KDA_TC_DIAG=one_cta" ;;
         block32) envs="CULA_KDA_TC_FACTOR_BLOCK=32" ;;
+        block32_direct) envs="CULA_KDA_TC_FACTOR_BLOCK=32 CULA_KDA_TC_GATE_FACTORS=direct" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
@@ -260,12 +262,12 @@ for s in $steps; do
         mode_splits one_cta_split default one_cta default one_cta ;;
     block32)  # session 23: 32-row reference-factor blocks (CULA_KDA_TC_FACTOR_BLOCK=32, CPU-compiled only): the
         # tensor-core checks whose bound takes them (>= -5.366; lb11 and the softplus floor keep 16-row blocks),
-        # gates saturated at -5 and -5.36 among them, then default / block32 splits twice (<= 300 s; AOT
-        # scenarios block32_checks, block32_split)
+        # gates saturated at -5 and -5.36 among them, then default / block32 / block32_direct splits twice
+        # (<= 350 s; AOT scenarios block32_checks, block32_split, block32_direct_split)
         step block32_check 200 env CULA_KDA_TC_FACTOR_BLOCK=32 python3 -u -m cula.kernels.sm90.kda_fwd --check \
             --no-bench --cases tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-varlen-33,tc-lb5-strong,\
 tc-lb536-strong,tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
-        mode_splits block32_split default block32 default block32 ;;
+        mode_splits block32_split default block32 block32_direct default block32 block32_direct ;;
     s21_check)  # the first half of s21_defaults alone (an H200 call: the checks, then the suites)
         s21_check ;;
     s21_splits)  # the second half

@@ -1385,6 +1385,7 @@ def compile_targets():
         # 32-row reference-factor blocks (FACTOR_BLOCKS) on the default stage 1, and with the training outputs
         "t_out_block32": build(cutlass.BFloat16, **full, t_out=True, factor_block=32),
         "emit_akk_block32": build(cutlass.BFloat16, **full, emit_akk=True, factor_block=32),
+        "t_out_block32_direct": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, gate_factors="direct"),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
         "log_gate": build(cutlass.Float32, **{**full, "has_a_log": False, "has_dt_bias": False}, log_gate=True),
     }
