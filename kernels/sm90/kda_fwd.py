@@ -662,10 +662,11 @@ def kda_fwd(
             tc_flags.update(gate_factors=intra_tc.GATE_FACTORS)
         if intra_tc.SUBST != intra_tc.SUBST_MODES[0]:
             tc_flags.update(subst=intra_tc.SUBST)
-        if factor_block(lb, softplus_tc) != intra_tc.FACTOR_BLOCKS[0]:
-            tc_flags.update(factor_block=factor_block(lb, softplus_tc))
+        block = factor_block(lb, softplus_tc)
+        if block != intra_tc.FACTOR_BLOCKS[0]:
+            tc_flags.update(factor_block=block)
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
-            if set(intra_tc.DIAG) - {"one_cta"}:  # one_cta changes only the warps per SM
+            if set(intra_tc.DIAG) - set(intra_tc.SAME_OUTPUT_DIAGS):
                 warnings.warn(f"CULA_KDA_TC_DIAG={','.join(intra_tc.DIAG)}: stage 1's outputs are wrong (timing "
                               "only)", RuntimeWarning, stacklevel=2)
             tc_flags.update(diag=intra_tc.DIAG)

@@ -143,6 +143,8 @@ SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
 DIAG_OPTIONS = ("l2_loads", "no_qg_kgt", "no_wu_store", "no_aqk_store", "no_inverse", "no_v_u", "one_cta")
 #: the ``one_cta`` diagnostic's shared-memory request: more than half of an SM's 228 KB, within a CTA's 227 KB
 ONE_CTA_SMEM = 160 * 1024
+#: the diagnostics whose stage-1 outputs are right (kda_fwd warns for the others): one_cta changes only the warps per SM
+SAME_OUTPUT_DIAGS = ("one_cta",)
 #: the diagnostics that keep stage 1's values (all but no_v_u): what device_round's diag_split times one by one
 SAME_VALUE_DIAGS = tuple(d for d in DIAG_OPTIONS if d != "no_v_u")
 DIAG = tuple(x for x in __import__("os").environ.get("CULA_KDA_TC_DIAG", "").split(",") if x)
@@ -451,34 +453,23 @@ class KdaFwdIntraTC:
     def lower_value(self, e: cutlass.Constexpr, i, j, acc_diag: cute.Tensor, acc_rows: list, wl, incl,
                     per_blk: cutlass.Constexpr, unshift):
         """Value ``e`` (row i, column j) of a product's lower part as this thread holds it: below the block
-        diagonal value ``e`` of row block ``wl``'s own m64n(16 wl) product (its fragment is a prefix of
-        the m64n64 one) times ``unshift``, on the block diagonal the diagonal product's where
-        ``j < i + incl``, zero elsewhere."""
-        jb = e // per_blk
+        diagonal value ``e`` of row block ``I``'s own off-diagonal product ``acc_rows[I - 1]`` (m64n(fbk I): its
+        fragment is a prefix of the m64n64 one) times ``unshift``, on the block diagonal the diagonal product's
+        where ``j < i + incl``, zero elsewhere. Blocks are ``self.factor_block`` rows; warp ``wl`` holds 16 rows of
+        block ``wl // (factor_block / 16)``, and a thread holds ``per_blk`` values per 16 columns."""
+        wpb = self.factor_block // SUB  # warps (16-column groups) per factor block
+        nblk = CHUNK // self.factor_block
+        jb = e // (per_blk * wpb)
+        rb = wl
+        if cutlass.const_expr(wpb > 1):
+            rb = wl // wpb
         v = F32(0.0)
-        if cutlass.const_expr(jb < NBLK - 1):
-            for ib in cutlass.range_constexpr(jb + 1, NBLK):
-                if wl == ib:
+        if cutlass.const_expr(jb < nblk - 1):
+            for ib in cutlass.range_constexpr(jb + 1, nblk):
+                if rb == ib:
                     v = acc_rows[ib - 1][e]
-            v = v * unshift  # (zero where wl <= jb)
-        if wl == jb:
-            if j < i + incl:
-                v = acc_diag[e]
-        return v
-
-    @cute.jit
-    def lower_value32(self, e: cutlass.Constexpr, i, j, acc_diag: cute.Tensor, acc_off: cute.Tensor, wl, incl,
-                      per_blk: cutlass.Constexpr, unshift):
-        """:meth:`lower_value` for 32-row factor blocks: rows 32.. take columns 0..31 from the one off-diagonal
-        product ``acc_off`` (m64n32, a prefix of the m64n64 fragment) times ``unshift``; within a 32-row block
-        the diagonal product's where ``j < i + incl``; zero elsewhere."""
-        jb = (e // per_blk) // 2  # the 32-column block of value e
-        v = F32(0.0)
-        if cutlass.const_expr(jb == 0):
-            if wl >= 2:
-                v = acc_off[e]
-            v = v * unshift
-        if wl // 2 == jb:
+            v = v * unshift  # (zero where the row block is <= jb)
+        if rb == jb:
             if j < i + incl:
                 v = acc_diag[e]
         return v
@@ -859,16 +850,19 @@ class KdaFwdIntraTC:
         warpgroup.fence()
         for x in cutlass.range_constexpr(nprod):
             _gemm_ss(mma_diag, acc_d[x], tA_d[x], tBkt)
-        acc_ob = [[] for _ in a_tiles]  # [product][row block I - 1], m64n(16 I)
-        # row block I's off-diagonal part is rows 16 I.. of Ka B'_Iᵀ (the other rows are never read); 32-row
-        # blocks: one product, rows 32.. of Ka B'ᵀ (m64n32, B' in the 32-row tile)
-        for ib in cutlass.range_constexpr(1, NBLK if fbk == SUB else 2):
-            mma_i = (mma_off1, mma_off2, mma_off3)[ib - 1] if fbk == SUB else mma_off2
+        acc_ob = [[] for _ in a_tiles]  # [product][row block I - 1], m64n(fbk I)
+        # row block I's off-diagonal part is rows fbk I.. of Ka B'_Iᵀ (the other rows are never read): per
+        # block I, its tiled MMA and B' tile (16-row blocks: m64n16 / n32 / n48; 32-row blocks: one m64n32)
+        offs = ((mma_off1, kb_tiles[0]), (mma_off2, kb_tiles[1]), (mma_off3, kb_tiles[2]))
+        if cutlass.const_expr(fbk != SUB):
+            offs = ((mma_off2, kb_tiles[1]),)
+        for ib in cutlass.range_constexpr(1, CHUNK // fbk):
+            mma_i, kb_i = offs[ib - 1]
             thr_i = mma_i.get_slice(tidx)
-            tB_i = thr_i.make_fragment_B(thr_i.partition_B(kb_tiles[ib - 1 if fbk == SUB else 1]))
+            tB_i = thr_i.make_fragment_B(thr_i.partition_B(kb_i))
             for x in cutlass.range_constexpr(nprod):
                 tA_i = thr_i.make_fragment_A(thr_i.partition_A(a_tiles[x]))
-                acc_i = thr_i.make_fragment_C(thr_i.partition_shape_C((CHUNK, SUB * ib if fbk == SUB else 2 * SUB)))
+                acc_i = thr_i.make_fragment_C(thr_i.partition_shape_C((CHUNK, fbk * ib)))
                 _gemm_ss(mma_i, acc_i, tA_i, tB_i)
                 acc_ob[x].append(acc_i)
         warpgroup.commit_group()
@@ -884,12 +878,8 @@ class KdaFwdIntraTC:
         unshift = cute.math.exp2(-shift, fastmath=True)  # 2^(C_I − R_I): what Ka B'_Iᵀ carries extra
         for e in cutlass.range_constexpr(cute.size(acc_d[0])):
             i, j = cD[e]
-            if cutlass.const_expr(fbk == SUB):
-                sA[i, j] = self.lower_value(e, i, j, acc_d[0], acc_ob[0], warp, 0, per_blk, unshift) * sBeta[i]
-                rAqk[e] = self.lower_value(e, i, j, acc_d[1], acc_ob[1], warp, 1, per_blk, unshift).to(BF16)
-            else:
-                sA[i, j] = self.lower_value32(e, i, j, acc_d[0], acc_ob[0][0], warp, 0, per_blk, unshift) * sBeta[i]
-                rAqk[e] = self.lower_value32(e, i, j, acc_d[1], acc_ob[1][0], warp, 1, per_blk, unshift).to(BF16)
+            sA[i, j] = self.lower_value(e, i, j, acc_d[0], acc_ob[0], warp, 0, per_blk, unshift) * sBeta[i]
+            rAqk[e] = self.lower_value(e, i, j, acc_d[1], acc_ob[1], warp, 1, per_blk, unshift).to(BF16)
         st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BF16)
         st_d = cute.make_tiled_copy_C(st_atom, mma_diag)
         cute.copy(st_d, st_d.retile(rAqk), st_d.get_slice(tidx).partition_D(sAqk[None, None, 0]))
