@@ -442,6 +442,17 @@ def test_factor_block_is_chosen_by_the_bound(monkeypatch):
     assert kda_fwd.factor_block(tc.SOFTPLUS_FLOOR, True) == 16
 
 
+@pytest.mark.parametrize("value", ["24", "abc"])
+def test_factor_block_environment_is_checked_by_name(value):
+    pytest.importorskip("cutlass")
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", "import cula.kernels.sm90.kda_fwd_intra_tc"], capture_output=True,
+                         text=True, env={**__import__("os").environ, "CULA_KDA_TC_FACTOR_BLOCK": value}, timeout=300)
+    assert res.returncode != 0 and f"CULA_KDA_TC_FACTOR_BLOCK: expected one of (16, 32), got {value!r}" in res.stderr
+
+
 def test_factor_block_32_keeps_the_default_smem_and_fewer_registers():
     """The 32-row mode's PTX: wgmma (one m64n32 off-diagonal product a matrix), no spills, at most the default's
     registers; the kernel's shared memory is the same struct (two CTAs per SM)."""

@@ -78,7 +78,10 @@ PAIRS = ((1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (3, 2))  # (I, J) off-diagonal 
 #: six (one B' tile of 32 rows, one m64n32 product per matrix; kda_fwd.md, What is next, session 23). Opt-in until
 #: its GPU checks pass.
 FACTOR_BLOCKS = (16, 32)
-FACTOR_BLOCK = int(__import__("os").environ.get("CULA_KDA_TC_FACTOR_BLOCK", "16"))
+_FACTOR_BLOCK_ENV = __import__("os").environ.get("CULA_KDA_TC_FACTOR_BLOCK", str(FACTOR_BLOCKS[0]))
+if _FACTOR_BLOCK_ENV not in [str(b) for b in FACTOR_BLOCKS]:
+    raise ValueError(f"CULA_KDA_TC_FACTOR_BLOCK: expected one of {FACTOR_BLOCKS}, got {_FACTOR_BLOCK_ENV!r}")
+FACTOR_BLOCK = int(_FACTOR_BLOCK_ENV)
 RCP_LN2 = 1.0 / math.log(2.0)
 L2NORM_EPS = 1e-6
 #: The gate bound this kernel takes: the diagonal factors reach 2^(7.5 |lb| / ln 2) = 2^119 at lb = -11
