@@ -111,8 +111,7 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("recur_v2_state_smem_h0_only", True),
                                                ("recur_v2_state_smem_ht_only", True),
                                                ("recur_v2_t_in", True), ("recur_v2_t_in_no_state", True),
-                                               ("recur_v2_t_in_state_smem", True), ("recur_v2_wait_flags", True),
-                                               ("recur_v2_wait_flags_t_in_state_smem", True),
+                                               ("recur_v2_t_in_state_smem", True),
                                                ("intra_tc", True),
                                                ("intra_tc_fp32_gate", True), ("intra_tc_plain_gva", True),
                                                ("intra_tc_simt_inverse", True),
@@ -122,7 +121,6 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_diag_all", True), ("intra_tc_emit_akk", True),
                                                ("intra_tc_log_gate", True), ("intra_tc_diag_no_v_u", True),
                                                ("intra_tc_t_out", True), ("intra_tc_t_out_softplus_gva", True),
-                                               ("intra_tc_signal", True), ("intra_tc_signal_t_out", True),
                                                ("intra_tc_t_out_diag_all", True), ("intra_tc_t_out_gate_direct", True),
                                                ("intra_tc_t_out_subst_left", True),
                                                ("intra_tc_t_out_direct_left", True),
@@ -169,13 +167,8 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         assert (rep.count("ld.global.f32") >= 64) == scalar and (rep.count("st.global.f32") >= 64) == scalar
         from cula.kernels.sm90.kda_fwd_recur import PDL
 
-        # programmatic dependent launch: the TMA warp alone waits for stage 1's grid, once per CTA; in overlap
-        # mode it waits instead for each item's head counter (acquire loads, a back-off, a proxy fence)
-        overlap = "wait_flags" in target
-        assert rep.count("griddepcontrol.wait") == (1 if PDL and not overlap else 0)
-        assert (rep.count("ld.acquire.gpu.global.u32") > 0) == overlap
-        assert rep.count("nanosleep.u32") == rep.count("fence.proxy.async.global") == (1 if overlap else 0)
-        assert rep.count("trap;") == (1 if overlap else 0)  # a wait past FLAG_POLL_LIMIT fails instead of hanging
+        # programmatic dependent launch: the TMA warp alone waits for stage 1's grid, once per CTA
+        assert rep.count("griddepcontrol.wait") == (1 if PDL else 0)
         # ptxas did not have to serialise any wgmma (registers of one in flight read too early)
         assert "C7517" not in rep.ptxas_log and "serialized" not in rep.ptxas_log
         # the mbarrier-init barrier only: no CTA barrier per chunk (the state buffer's are per item, among
@@ -229,11 +222,6 @@ def test_ptx_compiles_clean(target, needs_wgmma):
             # columns each), the rest as the default
             base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc")
             assert rep.count("st.global.v4") == base.count("st.global.v4") + 4
-        # overlap mode: thread 0 waits for its TMA stores' writes, fences, and raises its head's counter
-        signal = "signal" in target
-        assert (rep.count("red.release.gpu.global.add.u32") == 1) == signal
-        assert (rep.count("fence.acq_rel.gpu") == 1) == signal
-        assert (rep.count("cp.async.bulk.wait_group 0;") == 1) == signal
         if target == "intra_tc_t_out":  # -w from -X, more negations than the diagnostic without T' (ptxas
             # folds them): with the halved factors X's sign rides on -2^(C/2), one per column (8); 2^Γ by exp2
             # negates each k̂ (64)
@@ -618,45 +606,6 @@ def test_gpu_u_in_recur_partial_chunk_ignores_the_next_sequence(monkeypatch):
     assert torch.equal(ht[0], ht2[0])
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("name", ["tc-T65-gva-vfirst", "tc-T1000-negeig", "tc-varlen-zero", "tc-varlen-33",
-                                  "big-fixed", "big-varlen"])
-@pytest.mark.parametrize("u_in_recur", [False, True], ids=["u", "t"])
-def test_gpu_overlap_equals_sequential(name, u_in_recur, monkeypatch):
-    """``OVERLAP`` (stage 2 running alongside stage 1, items head by head behind per-head counters) runs the
-    same kernels on the same values as the sequential launch: o and the final state bitwise equal, on small
-    cases and on two where stage 1 is still running when stage 2 starts (B1 T8192 H16, varlen n20 T8192 H16),
-    each twice (the counters are zeroed per call), and inside a CUDA graph."""
-    from cula.kernels.sm90 import kda_fwd_check as chk
-
-    dev = torch.device("cuda")
-    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", u_in_recur)
-    if name.startswith("big"):
-        from cula.suites.lengths import cu_seqlens_from_lengths, varlen_lengths
-
-        cu = None if name == "big-fixed" else cu_seqlens_from_lengths(varlen_lengths("random", 20, 8192))
-        case = (name, 1, 8192, 16, 16, cu, dict(chk._TC, lower_bound=-5.0))
-    else:
-        case = next(c for c in chk.CASES if c[0] == name)
-    args, kw = chk._inputs(*case, dev=dev)
-    monkeypatch.setattr(kda_fwd, "OVERLAP", False)
-    o_ref, ht_ref = kda_fwd.kda_fwd(*args, **kw)
-    monkeypatch.setattr(kda_fwd, "OVERLAP", True)
-    monkeypatch.setattr(kda_fwd, "OVERLAP_MIN_STAGE1_CTAS", 1)  # every case, small ones too
-    for _ in range(2):
-        o, ht = kda_fwd.kda_fwd(*args, **kw)
-        torch.cuda.synchronize()
-        assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o_g, ht_g = kda_fwd.kda_fwd(*args, **kw)
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(o_g, o_ref) and torch.equal(ht_g, ht_ref)
-
-
 RECUR_CASES = ["T1", "T15-l2-gate", "T65-gva-vfirst", "T1000-all", "varlen-zero", "varlen-33"]
 
 
@@ -834,93 +783,19 @@ def test_host_path_u_in_recur(monkeypatch, cu):
     assert [c[0] for c in calls] == ["intra", "recur"] and "t_in" not in dict(calls[1][1][0])
 
 
-@pytest.mark.parametrize("u_in_recur", [False, True])
-def test_host_path_overlap(monkeypatch, u_in_recur):
-    """With OVERLAP stage 2 is launched first, on the overlap stream, persistent on OVERLAP_CTAS CTAs (at most
-    half the SMs) and compiled to wait for stage 1's per-head counters, which follow γ in its buffer and are
-    zeroed before the fork; stage 1 is compiled to raise them and runs on the caller's stream; the caller's
-    stream then waits for stage 2. Without a stage to overlap (profiling one stage) it stays off."""
-    pytest.importorskip("cutlass")
-    calls = record_kda_launches(monkeypatch)
-    monkeypatch.setattr(kda_fwd, "OVERLAP", True)
-    monkeypatch.setattr(kda_fwd, "OVERLAP_MIN_STAGE1_CTAS", 2)  # the case is small
-    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", u_in_recur)
-    side = type("S", (), {"cuda_stream": 5678})()
-    events = []
-    monkeypatch.setattr(kda_fwd, "_fork_overlap", lambda dev: events.append("fork") or ("main", side))
-    monkeypatch.setattr(kda_fwd, "_join_overlap", lambda main, s: events.append(("join", main, s)))
-    allocs = record_allocations(monkeypatch)
-    flags = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                 lower_bound=-5.0, safe_gate=True)
-    args, kw = _case(1, 200, 2, 2, [0, 0, 1, 64, 65, 200], seed=1, **flags)
-    args = tuple(x.bfloat16() for x in args)
-    # the first time a pair of kernels runs, stage 1 goes first: its module must not load (CUDA lazy loading
-    # waits for running kernels) while stage 2 waits for its counters
-    monkeypatch.setattr(kda_fwd, "_OVERLAP_LOADED", set())
-    kda_fwd.kda_fwd(*args, **kw)
-    assert [c[0] for c in calls] == ["intra_tc", "recur"] and len(kda_fwd._OVERLAP_LOADED) == 1
-    assert events == ["fork", ("join", "main", side)]
-    calls.clear()
-    events.clear()
-
-    class Loaded(set):
-        def __contains__(self, item):
-            return True
-
-    monkeypatch.setattr(kda_fwd, "_OVERLAP_LOADED", Loaded())
-    kda_fwd.kda_fwd(*args, **kw)
-    (k2, key2, _, v2), (k1, key1, _, v1) = calls
-    assert (k2, k1) == ("recur", "intra_tc")  # loaded: stage 2 first
-    rk, sk = dict(key2[0]), dict(key1[0])
-    assert rk["wait_flags"] is True and sk["signal"] is True
-    assert rk.get("t_in", False) == u_in_recur and sk.get("t_out", False) == u_in_recur
-    assert key2[4] is False  # no programmatic launch: stage 2 does not follow stage 1 on a stream
-    assert v2[-1] == 5678 and v1[-1] == 1234  # its own stream; stage 1 on the caller's
-    assert v2[15] == kda_fwd.overlap_ctas(5, v1[17], 2, 132)
-    hv, nc = 2, v1[17]
-    gam_buf = next(t for t in allocs if t.data_ptr() == v1[13])
-    assert gam_buf.numel() == hv * nc * 128 + hv and v2[5] == v1[13]
-    assert torch.equal(gam_buf[hv * nc * 128:].view(torch.int32), torch.zeros(hv, dtype=torch.int32))
-    assert events == ["fork", ("join", "main", side)]
-    # one stage alone (timing splits): nothing to overlap
-    calls.clear()
-    events.clear()
-    kda_fwd.kda_fwd(*args, **kw, stages=("recur",))
-    assert [c[0] for c in calls] == ["recur"] and "wait_flags" not in dict(calls[0][1][0]) and not events
-    # nor where stage 1 is short (fewer CTAs than OVERLAP_MIN_STAGE1_CTAS)
-    calls.clear()
-    monkeypatch.setattr(kda_fwd, "OVERLAP_MIN_STAGE1_CTAS", 2 * nc + 1)
-    kda_fwd.kda_fwd(*args, **kw)
-    assert [c[0] for c in calls] == ["intra_tc", "recur"] and "signal" not in dict(calls[0][1][0]) and not events
-
-
-def test_overlap_ctas(monkeypatch):
-    """Stage 2's share in overlap mode follows the estimated SM-time of the two stages, within [4, SMs / 2] and
-    no more than its items; OVERLAP_CTAS overrides the estimate (within the same bounds)."""
-    monkeypatch.setattr(kda_fwd, "OVERLAP_CTAS", 0)
-    assert kda_fwd.overlap_ctas(2, 512, 64, 132) == 18  # B2 T16384 H64
-    assert 30 <= kda_fwd.overlap_ctas(20, 84, 64, 132) <= 45  # varlen n20 T4096 H64: short items cost more
-    assert kda_fwd.overlap_ctas(1, 4096, 1, 132) == 2  # only two items (V halves) to run
-    assert kda_fwd.overlap_ctas(2000, 2000, 64, 132) == 66  # at most half the SMs
-    monkeypatch.setattr(kda_fwd, "OVERLAP_CTAS", 24)
-    assert kda_fwd.overlap_ctas(2, 512, 64, 132) == 24 and kda_fwd.overlap_ctas(2, 512, 64, 40) == 20
-
-
-def test_overlap_item_orders_cover_every_item():
-    """Stage 2's two item orders are permutations of the same (V tile, head, sequence) set; head-major
-    (overlap) finishes all sequences of a head before the next head, and the state tile of an item is the
-    same in both orders."""
+def test_item_order_covers_every_item():
+    """Stage 2's persistent CTAs walk the (V tile, head, sequence) items V tile fastest, then head, then sequence
+    (a head's two V halves side by side, sharing their scratch tiles in L2); every item once, and the state tile
+    of an item (``_item_tile``, the kernel's own expression) is the one its coordinates name."""
     from cula.kernels.sm90.kda_fwd_recur import BV, _item_coords, _item_tile
 
     dims = (2, 3, 5)
     items = range(2 * 3 * 5)
-    default = [_item_coords(i, dims) for i in items]
-    major = [_item_coords(i, dims, True) for i in items]
-    assert sorted(default) == sorted(major) == sorted((t, h, s) for t in range(2) for h in range(3) for s in range(5))
-    assert [h for _, h, _ in major] == sorted(h for _, h, _ in major)
-    for order, hm in ((default, False), (major, True)):
-        for i, (t, h, s) in zip(items, order):
-            assert _item_tile(i, dims, hm) == (s * 3 + h, t * BV)
+    order = [_item_coords(i, dims) for i in items]
+    assert sorted(order) == sorted((t, h, s) for t in range(2) for h in range(3) for s in range(5))
+    assert order[:4] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+    for i, (t, h, s) in zip(items, order):
+        assert _item_tile(i, dims) == (s * 3 + h, t * BV)
 
 
 def test_tables_built_during_graph_capture_are_not_cached(monkeypatch):

@@ -146,13 +146,9 @@ def find(kind: str, key: Any, specs: Sequence[Any]):
 SCENARIOS = {
     "default": ("tc", {}),
     "u_in_recur": ("tc", {"U_IN_RECUR": True}),
-    "overlap": ("big", {"OVERLAP": True, "OVERLAP_MIN_STAGE1_CTAS": 1}),
-    "overlap_u": ("big", {"OVERLAP": True, "OVERLAP_MIN_STAGE1_CTAS": 1, "U_IN_RECUR": True}),
-    # kda_fwd_check --split worst (suite flags, H64), each stage set, in the four modes s17_split times
+    # kda_fwd_check --split worst (suite flags, H64), each stage set, with and without u in stage 2
     "split": ("split", {}),
     "split_u": ("split", {"U_IN_RECUR": True}),
-    "split_overlap": ("split", {"OVERLAP": True}),
-    "split_overlap_u": ("split", {"OVERLAP": True, "U_IN_RECUR": True}),
     # the kda and kda_layer benchmark suites as cula.bench builds their inputs (default modes)
     "suites": ("suites", {}),
     # every check case (the SIMT stage 1's too: device_round next / tc_gpu run them through pytest)
@@ -281,19 +277,16 @@ def record_launches(scenario: str) -> list[tuple]:
         mod, _, attr = name.rpartition(".")
         return modules.get(mod, kda_fwd), attr
 
-    saved = {n: getattr(*owner(n)) for n in ("_launcher", "sm_count", "_fork_overlap", "_join_overlap", *settings)}
+    saved = {n: getattr(*owner(n)) for n in ("_launcher", "sm_count", *settings)}
     saved_fl, saved_dev = fl.current_stream_handle, torch.cuda.current_device
 
     def launcher(kind, key, make_kernel, specs):
         seen.setdefault((kind, key), (kind, key, make_kernel, specs))
         return lambda *values: None
 
-    side = type("Side", (), {"cuda_stream": 0})()
     try:
         kda_fwd._launcher = launcher
         kda_fwd.sm_count = lambda device: 132
-        kda_fwd._fork_overlap = lambda dev: (None, side)
-        kda_fwd._join_overlap = lambda main, s: None
         fl.current_stream_handle = lambda index: 0
         torch.cuda.current_device = lambda: 0
         for name, value in settings.items():
@@ -307,9 +300,7 @@ def record_launches(scenario: str) -> list[tuple]:
                 for args, kw in _train_test_calls():
                     kda_fwd.kda_fwd(*args, **kw)
             return list(seen.values())
-        cases = [c for c in chk.CASES if c[0].startswith("tc-") or which == "all"] if which in ("tc", "all") else [
-            ("big", 1, 8192, 16, 16, None, dict(chk._TC, lower_bound=-5.0)),
-            ("big-varlen", 1, 8192, 16, 16, [0, 100, 4000, 8192], dict(chk._TC, lower_bound=-5.0))]
+        cases = [c for c in chk.CASES if c[0].startswith("tc-") or which == "all"]
         for case in cases:
             args, kw = chk._inputs(*case, dev=torch.device("cpu"))
             kda_fwd.kda_fwd(*args, **kw)

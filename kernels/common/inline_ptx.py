@@ -1,5 +1,5 @@
 """One PTX instruction from a CuTe DSL kernel, as LLVM inline assembly: the one place that knows the DSL's
-``llvm.inline_asm`` call (side effects kept, AT&T dialect), for the wrappers in ``l2_prefetch`` and ``gpu_flags``."""
+``llvm.inline_asm`` call (side effects kept, AT&T dialect), for the wrappers in ``l2_prefetch``."""
 
 from __future__ import annotations
 

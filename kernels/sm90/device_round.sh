@@ -284,34 +284,11 @@ tc-lb536-strong,tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
         for a in 0 1 0 1; do
             step u_split$a 70 env CULA_KDA_U_IN_RECUR=$a python3 -m cula.kernels.sm90.kda_fwd --check --split worst
         done ;;
-    s17_checks)  # session 17's two opt-in paths in one call (<= 600 s cold, far less with .device/aot): the
-        # ahead-of-time loader's own check, then u in stage 2 on four check cases (with
-        # state: partial chunks, zero-length segments, GVA, V-first), then the overlap mode bitwise against the
-        # sequential launch on the large fixed / varlen cases (both u forms, repeated, in a CUDA graph). Then s17_split.
+    s17_checks)  # session 17's u in stage 2 (<= 600 s cold, far less with .device/aot): the ahead-of-time loader's
+        # own check, then four check cases (with state: partial chunks, zero-length segments, GVA, V-first)
         step aot_test 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_aot.py
         step u_check 230 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --u-in-recur \
-            --cases tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-varlen-33
-        step overlap_tests 280 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
-            -k "overlap_equals_sequential and big" ;;
-    s17_split)  # session 17: the worst rows and B2 T16384 as they are, with u in stage 2, with the overlap mode, with
-        # both (<= 300 s; compiles are shared through the DSL's file cache after the first process)
-        for uo in 00 10 01 11; do
-            step s17_split_$uo 75 env CULA_KDA_U_IN_RECUR=${uo:0:1} CULA_KDA_OVERLAP=${uo:1:1} python3 -u -m \
-                cula.kernels.sm90.kda_fwd --check --split worst
-        done ;;
-    overlap)  # session 17: stage 2 alongside stage 1 (CULA_KDA_OVERLAP, CPU-compiled only): bitwise checks against the
-        # sequential launch (large fixed / varlen cases and varlen-33, repeated, in a CUDA graph; ~8 compiles), then
-        # splits off / on with stage 2's share estimated (kda_fwd.overlap_ctas), then at 16 and 36 CTAs (the "both"
-        # column is the one that changes; <= 640 s in all: two calls if the budget is short). A hang here is the
-        # counters' fault.
-        step overlap_tests 360 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
-            -k "overlap_equals_sequential and (big or varlen-33)"
-        step overlap_split0 70 env CULA_KDA_OVERLAP=0 python3 -m cula.kernels.sm90.kda_fwd --check --split worst
-        step overlap_split_auto 70 env CULA_KDA_OVERLAP=1 python3 -m cula.kernels.sm90.kda_fwd --check --split worst
-        for c in 16 36; do
-            step overlap_split_$c 70 env CULA_KDA_OVERLAP=1 CULA_KDA_OVERLAP_CTAS=$c python3 -m \
-                cula.kernels.sm90.kda_fwd --check --split worst
-        done ;;
+            --cases tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-varlen-33 ;;
     cp_gpu)  # session 13's CPU-only CP pieces (one GPU is enough): KDA in pieces bitwise, the CP emulation tests
         step kda_pieces 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_fwd_pieces.py
         step cp_gpu 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_cp_gpu.py ;;

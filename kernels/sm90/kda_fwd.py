@@ -62,20 +62,6 @@ LOG_GATE_OPT_IN = "kda_fwd_loggate"
 #: and --split worst gave B2 T16384 H64 2.705 -> 2.612 ms (stage 1 1.988 -> 1.835), varlen n20 T4096 -3.2 to
 #: -3.9%. ``CULA_KDA_U_IN_RECUR=0`` turns it off for A/B runs.
 U_IN_RECUR = __import__("os").environ.get("CULA_KDA_U_IN_RECUR", "1") == "1"
-#: Overlap (session 17; on the H200 correct, bitwise equal to the sequential launch, but slower: --split worst
-#: B2 T16384 2.705 -> 5.289 ms, n20 T4096 rows +12-19%, so off): stage 2 is launched first, on its own high-priority
-#: stream, with OVERLAP_CTAS persistent CTAs (one SM each), and walks its items head by head, each waiting for
-#: a per-head counter that stage 1's CTAs raise when their scratch is written; stage 1 runs meanwhile on the
-#: other SMs. Why: stage 2 on every SM is bandwidth-bound (~0.78 ms x 132 SMs at B2 T16384), on a few it is
-#: latency-bound at ~0.6 us a chunk (~39 SM-ms there), so the two can share the machine for less than they take
-#: one after the other (kda_fwd.md, session 17). ``CULA_KDA_OVERLAP=1`` turns it on;
-#: ``CULA_KDA_OVERLAP_CTAS`` sets stage 2's share (at most half the SMs: stage 1 must always have SMs to run on,
-#: or stage 2's CTAs would wait for it forever).
-OVERLAP = __import__("os").environ.get("CULA_KDA_OVERLAP", "0") == "1"
-OVERLAP_CTAS = int(__import__("os").environ.get("CULA_KDA_OVERLAP_CTAS", "0"))  # 0: overlap_ctas() picks
-#: ...only where stage 1 is long (at least this many CTAs, ~16 waves): on a short one stage 2 would soon have the
-#: machine to itself with only OVERLAP_CTAS CTAs, slower than on every SM.
-OVERLAP_MIN_STAGE1_CTAS = int(__import__("os").environ.get("CULA_KDA_OVERLAP_MIN_CTAS", "4096"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -589,13 +575,7 @@ def kda_fwd(
     aqk_tp = torch.empty(HV, R, 2 * CHUNK if u_split else CHUNK, dtype=bf16, device=dev)  # Aqk (| T')
     aqk = aqk_tp[..., :CHUNK]
     kgt = torch.empty(HV, K, R, dtype=bf16, device=dev)
-    # overlap: stage 1's per-head counters (int32 [HV], zeroed here) follow γ in the same buffer
-    overlap = (OVERLAP and tc_v2 and "intra" in stages and "recur" in stages
-               and NC * HV >= OVERLAP_MIN_STAGE1_CTAS)
-    gam_buf = torch.empty(HV * NC * K + (HV if overlap else 0), dtype=torch.float32, device=dev)
-    gam = gam_buf[:HV * NC * K].view(HV, NC, K)
-    if overlap:
-        gam_buf[HV * NC * K:].view(torch.int32).zero_()
+    gam = torch.empty(HV, NC, K, dtype=torch.float32, device=dev)
     dummy = _dummy(dev)
     a_log = A_log.float().contiguous() if (use_gate_in_kernel and A_log is not None) else dummy
     dtb = dt_bias.float().contiguous() if (use_gate_in_kernel and dt_bias is not None) else dummy
@@ -618,12 +598,9 @@ def kda_fwd(
     o_dt = _cute_dtype(v.dtype)
     variant, pf = recur.RECUR_VARIANT, recur.V2_H0_PREFETCH
 
-    def launch_recur(u_in, h_in, o_out, h_out, v_first: bool, pdl: bool, stream_handle: int,
-                     max_ctas: int | None = None) -> None:
+    def launch_recur(u_in, h_in, o_out, h_out, v_first: bool, pdl: bool, stream_handle: int) -> None:
         rflags = dict(has_initial_state=h_in is not None, output_final_state=h_out is not None,
                       state_v_first=v_first)
-        if overlap and max_ctas is not None:  # only set, so the keys of the other calls stay as before
-            rflags.update(wait_flags=True)
         if u_split:  # only set, so the keys of the other calls stay as before (u_in is the input v)
             rflags.update(t_in=True)
         ssm = variant == "v2" and recur.use_state_smem(N, NC, h_in is not None or h_out is not None)
@@ -631,14 +608,11 @@ def kda_fwd(
                              lambda: recur.KdaFwdRecur(**rflags, variant=variant, h0_prefetch=pf, pdl=pdl,
                                                        state_smem=ssm),
                              _recur_specs(o_dt))
-        if stream_handle is None:  # only asked which launcher
-            return launcher
         launcher(
             w.data_ptr(), qg.data_ptr(), aqk.data_ptr(), kgt.data_ptr(), u_in.data_ptr(), gam.data_ptr(),
             chunks.data_ptr(), seqs.data_ptr(), o_out.data_ptr(), (h_in if h_in is not None else dummy).data_ptr(),
             (h_out if h_out is not None else dummy).data_ptr(), TT, HV, NC, N,
-            sm_count(dev) if max_ctas is None else max_ctas, stream_handle)
-        return launcher
+            sm_count(dev), stream_handle)
 
     intra_launch = None
     if "intra" in stages and kind == "tc":
@@ -654,8 +628,6 @@ def kda_fwd(
             tc_flags.update(emit_akk=True)
         if u_split:  # (pU, unused then, gets the Aqk buffer: valid memory for the descriptor it is given)
             tc_flags.update(t_out=True)
-        if overlap:
-            tc_flags.update(signal=True)
         if log_tc:
             tc_flags.update(log_gate=True, has_a_log=False, has_dt_bias=False)
         if intra_tc.GATE_FACTORS != intra_tc.GATE_FACTOR_MODES[0]:  # A/B runs only: the default keys stay short
@@ -682,24 +654,7 @@ def kda_fwd(
         )
         intra_launch = _launcher("intra", (tuple(sorted(flags.items())), dts), lambda: intra.KdaFwdIntra(**flags),
                                  _intra_specs(*dts))
-    ov_streams = None
-    if overlap:
-        # Stage 2 first, on its own stream: its CTAs take their SMs before stage 1 fills the rest. Except the first
-        # time a pair of kernels runs in the process: a kernel's module loads at its first launch (CUDA's lazy
-        # loading), and that load waits for running kernels, so stage 1 must not load while stage 2 waits for it
-        # (seen on the H200: stage 2 trapped). Then stage 1 goes first and stage 2 follows it.
-        ctas = overlap_ctas(N, NC, HV, sm_count(dev))
-        v_in = vf if u_split else u
-        pair = (id(intra_launch), id(launch_recur(v_in, h0, o, ht, bool(state_v_first), False, None, max_ctas=ctas)))
-        warm = pair in _OVERLAP_LOADED
-        if not warm:
-            intra_launch(*intra_values)
-        ov_streams = _fork_overlap(dev)
-        launch_recur(v_in, h0, o, ht, bool(state_v_first), False, ov_streams[1].cuda_stream, max_ctas=ctas)
-        if warm:
-            intra_launch(*intra_values)
-        _OVERLAP_LOADED.add(pair)
-    elif intra_launch is not None:
+    if intra_launch is not None:
         intra_launch(*intra_values)
 
     identity = None
@@ -715,11 +670,9 @@ def kda_fwd(
             u_zero.zero_()
             launch_recur(u_zero, eye, o_id, m_id, False, False, side.cuda_stream)
         identity = (o_id, m_id, side)
-    if "recur" in stages and not overlap:
+    if "recur" in stages:
         launch_recur(vf if u_split else u, h0, o, ht, bool(state_v_first),
                      recur.PDL and NC * HV <= recur.PDL_MAX_STAGE1_CTAS, stream)
-    if ov_streams is not None:  # stage 2's o / final state before anything later on this stream
-        _join_overlap(*ov_streams)
     out = o.reshape(B, T, HV, V)
     if identity is not None:
         o_id, m_id, side = identity
@@ -797,43 +750,6 @@ def _side_stream(dev: torch.device) -> "torch.cuda.Stream":
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _SIDE_STREAMS[index]
-
-
-_OVERLAP_STREAMS: dict[int, "torch.cuda.Stream"] = {}
-#: (stage-1 launcher, stage-2 launcher) pairs whose modules are loaded (both launched once, one after the other)
-_OVERLAP_LOADED: set[tuple[int, int]] = set()
-#: SM-time per unit, from the H200 measurements (kda_fwd.md): a stage-1 CTA ~8 us of one SM (16 us at 2 per SM),
-#: a stage-2 chunk ~0.6 us when latency-bound, a stage-2 item's state in / out and turn-around ~4 us.
-SM_US_STAGE1_CTA, SM_US_STAGE2_CHUNK, SM_US_STAGE2_ITEM = 8.0, 0.6, 4.0
-
-
-def overlap_ctas(num_seqs: int, num_chunks: int, heads_v: int, sms: int) -> int:
-    """Stage 2's CTAs in overlap mode: ``OVERLAP_CTAS`` if set, else stage 2's share of the estimated SM-time
-    of both stages (B2 T16384 H64: 18 of 132; varlen n20 T4096: ~37), at least 4 and at most half the SMs
-    (stage 1 must keep SMs to run on)."""
-    if OVERLAP_CTAS > 0:
-        want = OVERLAP_CTAS
-    else:
-        s1 = num_chunks * heads_v * SM_US_STAGE1_CTA
-        s2 = 2 * heads_v * (num_chunks * SM_US_STAGE2_CHUNK + num_seqs * SM_US_STAGE2_ITEM)
-        want = round(sms * s2 / (s1 + s2))
-    return max(1, min(max(want, 4), sms // 2, 2 * heads_v * max(num_seqs, 1)))
-
-
-def _fork_overlap(dev: torch.device):
-    """(current stream, stage 2's stream) for the overlap mode; the latter waits for the former's work so far
-    (the zeroed counters, the tables, the inputs). High priority, so that where both grids have CTAs waiting
-    the block scheduler takes stage 2's first."""
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    if index not in _OVERLAP_STREAMS:
-        _OVERLAP_STREAMS[index] = torch.cuda.Stream(device=index, priority=-1)
-    main, side = torch.cuda.current_stream(dev), _OVERLAP_STREAMS[index]
-    side.wait_stream(main)
-    return main, side
-
-
-def _join_overlap(main, side) -> None:
-    main.wait_stream(side)
 
 
 def factor_block(lower_bound: float, softplus_gate: bool) -> int:

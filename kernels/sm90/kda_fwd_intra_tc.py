@@ -52,7 +52,6 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from cula.kernels.common.gpu_flags import release_add
 from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
 from cula.kernels.common.wgmma_frag import a_operand_layout
 
@@ -185,7 +184,6 @@ class KdaFwdIntraTC:
         emit_akk: bool = False,
         log_gate: bool = False,
         t_out: bool = False,
-        signal: bool = False,
         diag: tuple = (),
         gate_factors: str = GATE_FACTOR_MODES[0],
         subst: str = SUBST_MODES[0],
@@ -213,9 +211,6 @@ class KdaFwdIntraTC:
         # T' v + S^T(-w) in one accumulator); pU is not used
         assert not (t_out and emit_akk), "emit_akk keeps u (the training path runs the default stages)"
         self.t_out = t_out
-        # stage 2 runs at the same time (kda_fwd.OVERLAP): when a CTA's scratch is written and visible, it adds
-        # one to its head's counter, an int32 [HV] right after γ's [HV, NC, 128] floats in pGam's buffer
-        self.signal = signal
         # no v loads, prefetches or tile and no u product or store: t_out, or the diagnostic that times it
         self.skip_vu = t_out or "no_v_u" in self.diag
         self.inv_wgmma = inv_wgmma
@@ -388,26 +383,8 @@ class KdaFwdIntraTC:
                 kb1_layout, kb2_layout, kb3_layout, x_layout, tb_layout, w_layout, aqk_layout, H, HV, NC, scale,
                 lower_bound,
             )
-        if cutlass.const_expr(self.signal):
-            self.signal_head(pGam, HV, NC)
         if cutlass.const_expr(self.pdl_trigger == "end"):
             cute.arch.griddepcontrol_launch_dependents()
-
-    @cute.jit
-    def signal_head(self, pGam: cute.Pointer, HV, NC):
-        """Overlap mode: this CTA's outputs are complete and visible at GPU scope -> its head's counter + 1
-        (every CTA of the grid, dummy chunks too, so a head is done when its counter reaches NC). Thread 0
-        issued the TMA stores (w, u or T', Aqk) and waits for their writes, not only their reads; the CTA
-        barrier orders every thread's plain stores (qg, kgᵀ, γ) before thread 0's release."""
-        tidx, _, _ = cute.arch.thread_idx()
-        _, hv, _ = cute.arch.block_idx()
-        if tidx == 0:
-            cute.arch.cp_async_bulk_wait_group(0)
-            cute.arch.fence_proxy(cute.arch.ProxyKind.async_global)
-        cute.arch.sync_threads()
-        if tidx == 0:
-            cute.arch.fence_acq_rel_gpu()
-            release_add(cute.recast_ptr(pGam, dtype=cutlass.Int32) + HV * NC * DK + hv, 1)
 
     @cute.jit
     def prefetch_later_chunk(self, pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pG: cute.Pointer,
@@ -1365,9 +1342,6 @@ def compile_targets():
         # u in stage 2: T' beside Aqk, -w, no v and no u (kda_fwd.U_IN_RECUR)
         "t_out": build(cutlass.BFloat16, **full, t_out=True),
         "t_out_softplus_gva": build(cutlass.BFloat16, **{**full, "group": 2}, softplus_gate=True, t_out=True),
-        # stage 2 at the same time (kda_fwd.OVERLAP): each CTA raises its head's counter when done
-        "signal": build(cutlass.BFloat16, **full, signal=True),
-        "signal_t_out": build(cutlass.BFloat16, **full, signal=True, t_out=True),
         # the timing diagnostics on the default stage 1 (device_round diag_split)
         "t_out_diag_all": build(cutlass.BFloat16, **full, t_out=True, diag=SAME_VALUE_DIAGS),
         # the pre-session-21 forms on the default stage 1: 2^Γ by exp2 (GATE_FACTORS), left-looking substitution

@@ -33,7 +33,6 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
-from cula.kernels.common.gpu_flags import acquire_load, nanosleep, trap
 from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
 from cula.kernels.common.wgmma_frag import a_operand_layout
 
@@ -126,31 +125,21 @@ PDL_MAX_STAGE1_CTAS = int(__import__("os").environ.get("CULA_KDA_PDL_MAX_CTAS", 
 #: (B2 T16384 2.869 / 2.877 ms against 2.721 with PDL off), so the loss is not a per-signal cost but
 #: stage 2 being resident during stage 1's last wave; "end" and "none" matched PDL off (2.720 / 2.722).
 PDL_TRIGGER = __import__("os").environ.get("CULA_KDA_PDL_TRIGGER", "start")
-FLAG_POLL_NS = 256  # overlap mode: the TMA warp's back-off between two looks at a head's counter
-#: ...and how many looks before it gives up (trap: the launch fails) rather than hang: 2^25 x >= 256 ns is
-#: >= 8.6 s, far beyond any stage 1 (1M tokens x 64 heads is ~65 ms on an H200)
-FLAG_POLL_LIMIT = 1 << 25
 SMEM_PER_BLOCK = 232448  # H100/H200: the most dynamic shared memory one CTA may have (227 KB)
 
 
-def _item_coords(item, dims, head_major: bool = False):
+def _item_coords(item, dims):
     """(V tile, head, sequence) of v2's work item ``item``, ``dims`` = (V tiles, heads, sequences): V tile
-    fastest, then head, then sequence; ``head_major`` (overlap mode): V tile, then sequence, then head, the
-    order in which the concurrently running stage 1 finishes its heads."""
-    n_vt, n_hv, n_seq = dims
-    if head_major:
-        return item % n_vt, item // (n_vt * n_seq), (item // n_vt) % n_seq
+    fastest, then head, then sequence."""
+    n_vt, n_hv, _ = dims
     return item % n_vt, (item // n_vt) % n_hv, item // (n_vt * n_hv)
 
 
-def _item_tile(item, dims, head_major: bool = False):
+def _item_tile(item, dims):
     """(sequence * HV + head, first V index) of v2's work item ``item``: where its state tile starts in the
     [N, HV, ., .] states."""
-    if head_major:
-        vtile, hv, seq = _item_coords(item, dims, True)
-        return seq * dims[1] + hv, vtile * BV
-    # the default order's own expression: through _item_coords the default PTX is not byte-identical to the
-    # form validated on the H200 (checked on the CPU)
+    # its own expression: through _item_coords the default PTX is not byte-identical to the form validated on
+    # the H200 (checked on the CPU)
     n_vt, n_hv, _ = dims
     return (item // (n_vt * n_hv)) * n_hv + (item // n_vt) % n_hv, (item % n_vt) * BV
 
@@ -160,12 +149,9 @@ class KdaFwdRecur:
 
     def __init__(self, has_initial_state: bool, output_final_state: bool, state_v_first: bool,
                  variant: str | None = None, h0_prefetch: bool | None = None, pdl: bool | None = None,
-                 state_smem: bool = False, t_in: bool = False, wait_flags: bool = False):
+                 state_smem: bool = False, t_in: bool = False):
         self.has_h0 = has_initial_state
-        # overlap mode (kda_fwd.OVERLAP): launched on its own stream before stage 1, which runs alongside on
-        # the other SMs; items in head-major order, each waiting for its head's counter (stage 1's signal)
-        self.wait_flags = wait_flags
-        self.pdl = (PDL if pdl is None else pdl) and not wait_flags
+        self.pdl = PDL if pdl is None else pdl
         self.h0_prefetch = V2_H0_PREFETCH if h0_prefetch is None else h0_prefetch
         self.store_ht = output_final_state
         self.v_first = state_v_first
@@ -179,8 +165,8 @@ class KdaFwdRecur:
         # "u in stage 2" (kda_fwd.U_IN_RECUR; stage 1 compiled with t_out): the pAqk rows are [Aqk | T'] (128
         # wide), pW holds -w and pU is the input v [TT, HV, 128]; each chunk starts with v_newᵀ = vᵀ T'ᵀ +
         # Sᵀ(-w)ᵀ in one accumulator, so u never goes through memory (kda_fwd.md, session 17)
-        if (t_in or wait_flags) and variant != "v2":
-            raise ValueError(f"t_in / wait_flags: expected variant 'v2', got {variant!r}")
+        if t_in and variant != "v2":
+            raise ValueError(f"t_in: expected variant 'v2', got {variant!r}")
         self.t_in = t_in
         self.o_pitch = V2_O_PITCH_COMPACT if t_in else V2_O_PITCH
         self.aqk_cols = 2 * CHUNK if t_in else CHUNK  # a chunk's Aqk (| T') box
@@ -573,9 +559,6 @@ class KdaFwdRecur:
         state = cute.make_layout((N, HV, DK, DV), stride=(HV * DK * DV, DK * DV, DV, 1))
         mH0 = cute.make_tensor(pH0, state)
         mHT = cute.make_tensor(pHT, state)
-        # overlap mode: stage 1's per-head counters, int32 [HV] right after γ's [HV, NC, 128] floats
-        mFlags = (cute.make_tensor(cute.recast_ptr(pGam, dtype=cutlass.Int32) + HV * NC * DK, cute.make_layout(HV))
-                  if cutlass.const_expr(self.wait_flags) else None)
         w_one = cute.slice_(self.w2_layout, (None, None, 0))
         t64_one = cute.slice_(self.t64_layout, (None, None, 0))
         kgt_one = cute.slice_(self.kgt2_layout, (None, None, 0))
@@ -617,7 +600,7 @@ class KdaFwdRecur:
         assert SharedStorageV2.size_in_bytes() <= SMEM_PER_BLOCK, "v2's stages do not fit one CTA"
         self.kernel_v2(
             tma_w, tW, tma_qg, tQG, tma_aqk, tAqk, tma_kgt, tKGT, tma_u, tU, tma_gam, tGam,
-            mChunks, mSeq, mO, mH0, mHT, mFlags, self.mma_rs_n64, self.mma_rs_n128,
+            mChunks, mSeq, mO, mH0, mHT, self.mma_rs_n64, self.mma_rs_n128,
             self.w2_layout, self.t64_layout, self.kgt2_layout, self.gam_layout, self.aqk2_layout, self.va_layout,
         ).launch(grid=[cutlass.min((DV // BV) * HV * N, max_ctas), 1, 1], block=[V2_THREADS, 1, 1],
                  smem=SharedStorageV2.size_in_bytes(), stream=stream, use_pdl=self.pdl)
@@ -642,7 +625,6 @@ class KdaFwdRecur:
         mO: cute.Tensor,
         mH0: cute.Tensor,
         mHT: cute.Tensor,
-        mFlags,
         mma_n64: cute.TiledMma,
         mma_n128: cute.TiledMma,
         w_layout: cute.ComposedLayout,
@@ -705,21 +687,9 @@ class KdaFwdRecur:
             part = cute.nvgpu.cpasync.tma_partition
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             for item in cutlass.range(cta, n_items, n_ctas, unroll=1):
-                vtile, hv, seq = _item_coords(item, dims, self.wait_flags)
+                vtile, hv, seq = _item_coords(item, dims)
                 c_first = mSeq[seq, 0]
                 n_chunks = mSeq[seq, 1]
-                if cutlass.const_expr(self.wait_flags):
-                    # overlap mode: stage 1 is still running; its CTAs of head hv are all done (and their
-                    # writes visible) once the head's counter reaches the chunk count. Then the proxy fence
-                    # orders what this warp acquired before its TMA (async proxy) reads of it.
-                    polls = cutlass.Int32(0)
-                    while acquire_load(mFlags.iterator + hv) < mChunks.shape[0]:
-                        nanosleep(FLAG_POLL_NS)
-                        polls += 1
-                        if polls > FLAG_POLL_LIMIT:  # ~10 s: the counters are wrong; fail instead of hanging
-                            trap()
-                    cute.arch.sync_warp()
-                    cute.arch.fence_proxy(cute.arch.ProxyKind.async_global)
                 gW = cute.local_tile(tW[None, None, hv], (CHUNK, DK), (None, 0))
                 gQG = cute.local_tile(tQG[None, None, hv], (CHUNK, DK), (None, 0))
                 gAqk = cute.local_tile(tAqk[None, None, hv], (CHUNK, self.aqk_cols), (None, 0))
@@ -790,7 +760,7 @@ class KdaFwdRecur:
                 if cutlass.const_expr(self.has_h0):
                     self.state_in_async(mH0, sH, cta, dims, tidx)  # the grid has at most n_items CTAs
             for item in cutlass.range(cta, n_items, n_ctas, unroll=1):
-                vtile, hv, seq = _item_coords(item, dims, self.wait_flags)
+                vtile, hv, seq = _item_coords(item, dims)
                 v0 = vtile * BV
                 c_first = mSeq[seq, 0]
                 n_chunks = mSeq[seq, 1]
@@ -891,7 +861,7 @@ class KdaFwdRecur:
         """This thread's m-th 16-byte piece of item ``item``'s state tile: (buffer offset, element offset
         in the [N, HV, ., .] state). Consecutive threads take consecutive pieces of a row (256 B K-first,
         512 B V-first), so a warp's accesses are whole rows on both sides."""
-        head, v0 = _item_tile(item, dims, self.wait_flags)
+        head, v0 = _item_tile(item, dims)
         c = tidx + V2_MATH_THREADS * m
         if cutlass.const_expr(self.v_first):
             r, p = c // (DK // 4), c % (DK // 4)
@@ -952,7 +922,7 @@ class KdaFwdRecur:
         """Ask L2 for item ``nxt``'s state tile (this CTA's next item): its V tile of the head's
         [128, 128] fp32 state, 256 lines of 128 bytes, 2 per thread. K-first: row k = tidx, its 256
         bytes of the tile's 64 values; V-first: 32 KB in one piece."""
-        head, v0 = _item_tile(nxt, dims, self.wait_flags)
+        head, v0 = _item_tile(nxt, dims)
         per_line = LINE_BYTES // 4
         if cutlass.const_expr(self.v_first):  # rows v0 .. v0+63 are one contiguous 32 KB piece
             first = head * (DK * DV) + v0 * DK + tidx * (2 * per_line)
@@ -1073,10 +1043,6 @@ def compile_targets():
     targets["v2_t_in_no_state"] = build(has_initial_state=False, output_final_state=False, state_v_first=False,
                                         variant="v2", t_in=True)
     targets["v2_t_in_state_smem"] = build(**full, variant="v2", state_smem=True, t_in=True)
-    # overlap mode (kda_fwd.OVERLAP): head-major items, each waiting for stage 1's counter of its head
-    targets["v2_wait_flags"] = build(**full, variant="v2", wait_flags=True)
-    targets["v2_wait_flags_t_in_state_smem"] = build(**full, variant="v2", wait_flags=True, t_in=True,
-                                                     state_smem=True)
     return targets
 
 
