@@ -15,6 +15,7 @@ references and time a few shapes.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Callable
@@ -426,6 +427,7 @@ FAST_LAUNCH = True
 _LAUNCHERS: dict[tuple, object] = {}
 
 
+@functools.cache  # per dtype triple: a call's host path then builds no specs (~20 dataclasses)
 def _intra_specs(q_dt, g_dt, beta_dt) -> tuple:
     """Runtime arguments of both stage-1 kernels, as ``kda_fwd_intra.fake_args`` compiles them."""
     import cutlass
@@ -439,6 +441,7 @@ def _intra_specs(q_dt, g_dt, beta_dt) -> tuple:
             ArgSpec("f32"), ArgSpec("f32"), ArgSpec("stream"))
 
 
+@functools.cache
 def _recur_specs(o_dt) -> tuple:
     """Runtime arguments of the recurrence kernel, as ``kda_fwd_recur.fake_args`` compiles them."""
     import cutlass
