@@ -257,8 +257,8 @@ for s in $steps; do
         step s22_direct_check 200 env CULA_KDA_TC_GATE_FACTORS=direct python3 -u -m cula.kernels.sm90.kda_fwd \
             --check --no-bench --cases tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
         mode_splits s22_split default direct default direct ;;
-    one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, What is
-        # next, session 23), twice in turn (<= 120 s; AOT scenario diag_one_cta)
+    one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, "Where
+        # the time goes and what is next"), twice in turn (<= 120 s; AOT scenario diag_one_cta)
         mode_splits one_cta_split default one_cta default one_cta ;;
     block32)  # session 23: 32-row reference-factor blocks (CULA_KDA_TC_FACTOR_BLOCK=32, CPU-compiled only): the
         # tensor-core checks whose bound takes them (>= -5.366; lb11 and the softplus floor keep 16-row blocks),

@@ -74,7 +74,7 @@ INV_SPILL = CHUNK * PAD - CHUNK * DK // 2
 PAIRS = ((1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (3, 2))  # (I, J) off-diagonal block pairs, I > J
 #: Rows per reference-factor block (``CULA_KDA_TC_FACTOR_BLOCK``): 16 (the default) takes every bound down to
 #: MIN_LOWER_BOUND; 32 needs ``lower_bound >= BLOCK32_MIN_LOWER_BOUND`` and has one off-diagonal block instead of
-#: six (one B' tile of 32 rows, one m64n32 product per matrix; kda_fwd.md, What is next, session 23). Opt-in until
+#: six (one B' tile of 32 rows, one m64n32 product per matrix; kda_fwd_log.md, session 23). Opt-in until
 #: its GPU checks pass.
 FACTOR_BLOCKS = (16, 32)
 _FACTOR_BLOCK_ENV = __import__("os").environ.get("CULA_KDA_TC_FACTOR_BLOCK", str(FACTOR_BLOCKS[0]))
@@ -110,7 +110,7 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: 2.29x -> 2.39x). Session 6's TMA bulk prefetch of the same rows was 1-12% slower (the per-thread form
 #: also won over the bulk one in stage 2, session 8). ``CULA_KDA_TC_PREFETCH`` sets it for A/B runs.
 PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
-#: How phase 2 forms its reference factors per element (kda_fwd.md, sessions 20-21): "halves" (the default since
+#: How phase 2 forms its reference factors per element (kda_fwd_log.md, sessions 20-21): "halves" (the default since
 #: session 21) 2^(Γ−C) and 2^(C−Γ) by exp2, 2^Γ never formed: the products that need it, q·2^Γ and k·2^Γ, are
 #: (q·2^(Γ−C))·2^(C/2)·2^(C/2) from the q·2^(Γ−C) already formed (136 MUFU per thread, no drift; the halves keep
 #: every intermediate in range, see the branch); "direct" also 2^Γ by exp2 (192 MUFU, 24 fewer instructions).
@@ -118,7 +118,7 @@ PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
 #: T16384 and 1.2-1.9% on the n20 rows, six tc checks PASS. Session 22 (H100, with the right-looking substitution):
 #: halves 1.1% slower than direct at B2 T16384, 1.3% faster on two n20 rows. Session 23 (H100): direct passes all six
 #: checks; against halves -0.7% of both stages at B2 T16384 and +0.4-0.8% on the n20 rows, so halves stays the
-#: default (kda_fwd.md, Measurements, sessions 22-23). (Session 19's running products, "chain", with the same MUFU
+#: default (kda_fwd_log.md, sessions 22-23). (Session 19's running products, "chain", with the same MUFU
 #: saving, more instructions and a few ulps of drift, were removed unmeasured.) ``CULA_KDA_TC_GATE_FACTORS=direct``
 #: for A/B.
 GATE_FACTOR_MODES = ("halves", "direct")
@@ -138,9 +138,9 @@ SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
 #: was folded away, the values with it), so the values are still formed; ``no_inverse``: phase 4 is
 #: skipped the same way; ``no_v_u``: without ``t_out``, stage 1 as it would be with u = T' v formed in stage 2
 #: (no v loads, prefetches or tile, no u product or store: removed at compile time; the T' store missing;
-#: kda_fwd.md, session 16's reading; a no-op with ``t_out``); ``one_cta``: the launch asks for ``ONE_CTA_SMEM``
+#: kda_fwd_log.md, session 16's reading; a no-op with ``t_out``); ``one_cta``: the launch asks for ``ONE_CTA_SMEM``
 #: of shared memory, so one CTA runs per SM instead of two (same code and values: only the warps per SM change;
-#: what a fused kernel with one stage-1 warpgroup per SM would keep of stage 1's throughput, kda_fwd.md session
+#: what a fused kernel with one stage-1 warpgroup per SM would keep of stage 1's throughput, kda_fwd_log.md session
 #: 23). A split per option against none says what each costs.
 DIAG_OPTIONS = ("l2_loads", "no_qg_kgt", "no_wu_store", "no_aqk_store", "no_inverse", "no_v_u", "one_cta")
 #: the ``one_cta`` diagnostic's shared-memory request: more than half of an SM's 228 KB, within a CTA's 227 KB
@@ -463,7 +463,7 @@ class KdaFwdIntraTC:
         Session 15 moved the factor here from the A rows, which warp I scaled in registers (warp 3 three
         blocks while warp 0 waited at each wgmma): 544 fewer SASS instructions, no factor underflow where
         the true term is above 2^-126; on the H200 six checks gave the same errors and stage 1 was 0.3-0.6%
-        faster on the n20 T4096 rows, flat at B2 T16384 (kda_fwd.md, session 15)."""
+        faster on the n20 T4096 rows, flat at B2 T16384 (kda_fwd_log.md, session 15)."""
         c8 = (tidx % (DK // COLS_PER_THREAD)) * COLS_PER_THREAD
         s8 = tidx // (DK // COLS_PER_THREAD)
         f = [cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16) for _ in PAIRS]

@@ -164,7 +164,7 @@ class KdaFwdRecur:
         self.stages = 2 if self.state_smem else V2_STAGES
         # "u in stage 2" (kda_fwd.U_IN_RECUR; stage 1 compiled with t_out): the pAqk rows are [Aqk | T'] (128
         # wide), pW holds -w and pU is the input v [TT, HV, 128]; each chunk starts with v_newᵀ = vᵀ T'ᵀ +
-        # Sᵀ(-w)ᵀ in one accumulator, so u never goes through memory (kda_fwd.md, session 17)
+        # Sᵀ(-w)ᵀ in one accumulator, so u never goes through memory (kda_fwd_log.md, session 17)
         if t_in and variant != "v2":
             raise ValueError(f"t_in: expected variant 'v2', got {variant!r}")
         self.t_in = t_in
