@@ -48,11 +48,20 @@ def test_next_on_an_h200_publishes_then_splits(tmp_path):
     assert [("CULA_KDA_TC_DIAG=one_cta" in c) for c in splits] == [False, True, False, True]
 
 
-def test_next_on_an_h100_splits_one_cta_then_checks_block32(tmp_path):
+def test_next_on_an_h100_splits_one_cta_then_checks_block32_then_clocks(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "next")
     assert not any("cula.cli bench" in c for c in cmds)
     assert all("--split worst" in c for c in cmds[:4]) and sum("CULA_KDA_TC_DIAG=one_cta" in c for c in cmds) == 2
-    assert cmds[4:] == dry_run(tmp_path / "b", "NVIDIA H100 80GB HBM3", "block32")
+    block32 = dry_run(tmp_path / "b", "NVIDIA H100 80GB HBM3", "block32")
+    assert cmds[4:] == block32 + dry_run(tmp_path / "c", "NVIDIA H100 80GB HBM3", "clock")
+
+
+def test_clock_times_two_ctas_one_cta_and_what_the_stamps_cost(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "clock")
+    runs = [c for c in cmds if "kda_fwd_clock" in c]
+    assert len(runs) == 3 and sum("--one-cta" in c for c in runs) == 1 and "--dist uniform" in runs[-1]
+    splits = [c for c in cmds if "--split worst" in c]
+    assert [("CULA_KDA_TC_DIAG=clock" in c) for c in splits] == [False, True]
 
 
 def test_block32_checks_name_real_cases_then_splits(tmp_path):

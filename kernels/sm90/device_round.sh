@@ -16,7 +16,7 @@ steps=${*:-decode bench_gpu kda_check packed}
 # guard: on an H200 the suites to publish (CULA_GIT_SHA set), then one_cta (block32 in a second call: the ten
 # minutes of one call do not hold all of it); on another card one_cta and block32
 if [[ " $steps " == *" next "* ]]; then
-    plan="one_cta block32"
+    plan="one_cta block32 clock"
     nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 \
         && plan="kda_suite kda_layer_suite train_suite one_cta"
     steps=$(echo " $steps " | sed "s/ next / $plan /" | xargs)
@@ -29,7 +29,8 @@ step() {  # step NAME TIMEOUT CMD...
     timeout "$t" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     echo "== $name rc=$rc in $((SECONDS - s)) s (total $((SECONDS - start)) s)"
-    grep -E "passed|failed|error|PASS|FAIL|EXCEPTION|split|correctness|config|eager|graph|\[scale\]" "$OUT/$name.log" | tail -n 25
+    grep -E "passed|failed|error|PASS|FAIL|EXCEPTION|split|correctness|config|eager|graph|\[scale\]|\[clock\]" \
+        "$OUT/$name.log" | tail -n 25
     return $rc
 }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
@@ -57,6 +58,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         direct) envs="CULA_KDA_TC_GATE_FACTORS=direct" ;;
         left) envs="CULA_KDA_TC_SUBST=left" ;;
         one_cta) envs="CULA_KDA_TC_DIAG=one_cta" ;;
+        clock) envs="CULA_KDA_TC_DIAG=clock" ;;
         block32) envs="CULA_KDA_TC_FACTOR_BLOCK=32" ;;
         block32_direct) envs="CULA_KDA_TC_FACTOR_BLOCK=32 CULA_KDA_TC_GATE_FACTORS=direct" ;;
         esac
@@ -257,6 +259,12 @@ for s in $steps; do
         step s22_direct_check 200 env CULA_KDA_TC_GATE_FACTORS=direct python3 -u -m cula.kernels.sm90.kda_fwd \
             --check --no-bench --cases tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
         mode_splits s22_split default direct default direct ;;
+    clock)  # session 24: stage 1's phases by the SM's cycle counter (kda_fwd_clock) at B2 T16384, two CTAs per SM
+        # and one; the clock build against the default (what the stamps cost); uniform n20 T4096 (~150 s with AOT)
+        step clock_2cta 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384
+        step clock_1cta 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384 --one-cta
+        mode_splits clock_split default clock
+        step clock_n20 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --T 4096 --dist uniform --n 20 ;;
     one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, "Where
         # the time goes and what is next"), twice in turn (<= 120 s; AOT scenario diag_one_cta)
         mode_splits one_cta_split default one_cta default one_cta ;;

@@ -578,7 +578,10 @@ def kda_fwd(
     aqk_tp = torch.empty(HV, R, 2 * CHUNK if u_split else CHUNK, dtype=bf16, device=dev)  # Aqk (| T')
     aqk = aqk_tp[..., :CHUNK]
     kgt = torch.empty(HV, K, R, dtype=bf16, device=dev)
-    gam = torch.empty(HV, NC, K, dtype=torch.float32, device=dev)
+    if kind == "tc" and "intra" in stages and _stage1_clock():
+        gam = _clock_buffer(HV, NC, K, chunks, dev)
+    else:
+        gam = torch.empty(HV, NC, K, dtype=torch.float32, device=dev)
     dummy = _dummy(dev)
     a_log = A_log.float().contiguous() if (use_gate_in_kernel and A_log is not None) else dummy
     dtb = dt_bias.float().contiguous() if (use_gate_in_kernel and dt_bias is not None) else dummy
@@ -742,6 +745,30 @@ def _fwd_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_state, c
     o, ht = pieces.run_in_pieces(kda_fwd, packed, cu, initial_state, output_final_state, plan, (HV, K, V),
                                  scale=scale, **flags)
     return o.reshape(B, T, HV, V), ht
+
+
+#: The ``clock`` diagnostic's last stamps (kda_fwd_intra_tc.CLOCK_STAMPS): (int64 [HV, NC, CLOCK_SLOTS], the chunk
+#: table [NC, 2] of that call); rows of dummy chunks (nvalid 0) stay zero. None until a call runs with it.
+LAST_CLOCKS: tuple | None = None
+
+
+def _stage1_clock() -> bool:
+    """Whether the tensor-core stage 1 runs with the ``clock`` diagnostic (CULA_KDA_TC_DIAG)."""
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+
+    return "clock" in intra_tc.DIAG
+
+
+def _clock_buffer(HV: int, NC: int, K: int, chunks: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """γ's [HV, NC, K] fp32 with the clock diagnostic's zeroed stamps after it (where stage 1 writes them);
+    the stamps are kept in ``LAST_CLOCKS``."""
+    from cula.kernels.sm90.kda_fwd_intra_tc import CLOCK_SLOTS
+
+    global LAST_CLOCKS
+    n = HV * NC * K
+    buf = torch.empty(n + HV * NC * 2 * CLOCK_SLOTS, dtype=torch.float32, device=dev)
+    LAST_CLOCKS = (buf[n:].view(torch.int64).view(HV, NC, CLOCK_SLOTS).zero_(), chunks)
+    return buf[:n].view(HV, NC, K)
 
 
 _SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}

@@ -53,6 +53,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
+from cula.kernels.common.sm_clock import clock64, smid
+from cula.kernels.sm90.kda_fwd_clock import STAMP_NAMES as CLOCK_STAMPS
 from cula.kernels.common.wgmma_frag import a_operand_layout
 
 CHUNK = 64  # tokens per chunk (FLA's chunk_size): one wgmma M tile
@@ -141,12 +143,19 @@ SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
 #: kda_fwd_log.md, session 16's reading; a no-op with ``t_out``); ``one_cta``: the launch asks for ``ONE_CTA_SMEM``
 #: of shared memory, so one CTA runs per SM instead of two (same code and values: only the warps per SM change;
 #: what a fused kernel with one stage-1 warpgroup per SM would keep of stage 1's throughput, kda_fwd_log.md session
-#: 23). A split per option against none says what each costs.
-DIAG_OPTIONS = ("l2_loads", "no_qg_kgt", "no_wu_store", "no_aqk_store", "no_inverse", "no_v_u", "one_cta")
+#: 23). A split per option against none says what each costs. ``clock`` (outputs right): thread 0 reads the SM's
+#: cycle counter where each phase ends (after its CTA barrier) into CLOCK_SLOTS int64 per chunk, after γ's floats
+#: in the same buffer (kda_fwd.LAST_CLOCKS; ``python -m cula.kernels.sm90.kda_fwd_clock`` reads them): the
+#: phases' time per chunk, and from the SM ids how much of a CTA's life it shares its SM.
+DIAG_OPTIONS = ("l2_loads", "no_qg_kgt", "no_wu_store", "no_aqk_store", "no_inverse", "no_v_u", "one_cta", "clock")
 #: the ``one_cta`` diagnostic's shared-memory request: more than half of an SM's 228 KB, within a CTA's 227 KB
 ONE_CTA_SMEM = 160 * 1024
 #: the diagnostics whose stage-1 outputs are right (kda_fwd warns for the others): one_cta changes only the warps per SM
-SAME_OUTPUT_DIAGS = ("one_cta",)
+SAME_OUTPUT_DIAGS = ("one_cta", "clock")
+#: the ``clock`` diagnostic's int64 slots per chunk: the cycle counter at each stamp of CLOCK_STAMPS, in that order
+#: (the stamp after a step a build skips, e.g. the B' pass of 32-row factor blocks, follows at once), then the SM id
+CLOCK_SLOTS = 16
+assert len(CLOCK_STAMPS) < CLOCK_SLOTS
 #: the diagnostics that keep stage 1's values (all but no_v_u): what device_round's diag_split times one by one
 SAME_VALUE_DIAGS = tuple(d for d in DIAG_OPTIONS if d != "no_v_u")
 DIAG = tuple(x for x in __import__("os").environ.get("CULA_KDA_TC_DIAG", "").split(",") if x)
@@ -213,6 +222,7 @@ class KdaFwdIntraTC:
         self.t_out = t_out
         # no v loads, prefetches or tile and no u product or store: t_out, or the diagnostic that times it
         self.skip_vu = t_out or "no_v_u" in self.diag
+        self.clock = "clock" in self.diag  # phase timestamps (CLOCK_STAMPS), the outputs unchanged
         self.inv_wgmma = inv_wgmma
         if gate_factors not in GATE_FACTOR_MODES:
             raise ValueError(f"gate_factors (CULA_KDA_TC_GATE_FACTORS): expected one of {GATE_FACTOR_MODES}, "
@@ -387,6 +397,13 @@ class KdaFwdIntraTC:
             cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
+    def stamp(self, ts, name: cutlass.Constexpr, tidx):
+        """``clock`` diagnostic: the SM's cycle counter as stamp ``name`` (CLOCK_STAMPS). Every thread reads it (no
+        branch to split the code around the stamp: it would change how ptxas schedules it); thread 0 stores them."""
+        if cutlass.const_expr(self.clock):
+            ts[CLOCK_STAMPS.index(name)] = clock64()
+
+    @cute.jit
     def prefetch_later_chunk(self, pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pG: cute.Pointer,
                              pChunks: cute.Pointer, tidx, chunk, hv, H, HV, NC):
         """Ask L2 for the q, k, v, g rows of the CTA ``prefetch_ahead`` places later in launch order
@@ -520,6 +537,11 @@ class KdaFwdIntraTC:
         lower_bound: cutlass.Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
+        ts = None  # the clock diagnostic's stamps (thread 0's registers)
+        if cutlass.const_expr(self.clock):
+            ts = cute.make_rmem_tensor(cute.make_layout(CLOCK_SLOTS), cutlass.Int64)
+            ts.fill(0)
+        self.stamp(ts, "entry", tidx)
         chunk, hv, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
@@ -675,6 +697,7 @@ class KdaFwdIntraTC:
             if grp % GROUPS_PER_BLOCK == 0:
                 sFirst[grp // GROUPS_PER_BLOCK, d0 + c] = gl[0, c]
         cute.arch.sync_threads()
+        self.stamp(ts, "phase1", tidx)
 
         # ============================================ phase 2: reference factors and operand tiles
         fbk = self.factor_block
@@ -686,6 +709,7 @@ class KdaFwdIntraTC:
         # prefixes it needs as 16-byte vectors (instead of selecting them out of a 64-step scan)
         self.column_pass(sTot, sFirst, sC, tidx)
         cute.arch.sync_threads()
+        self.stamp(ts, "column_pass", tidx)
         pre = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # Γ before row 8 grp
         cref = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # C_blk
         eref = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # E_blk
@@ -815,10 +839,12 @@ class KdaFwdIntraTC:
             _vec(pGam, (hv * NC + chunk) * DK + d0, COLS_PER_THREAD).store(gam_out.load())
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
+        self.stamp(ts, "phase2", tidx)
         if cutlass.const_expr(fbk == SUB):
             self.offdiag_b(sC, kb_raws, (kb1_layout, kb2_layout, kb3_layout), tidx)
             cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
             cute.arch.sync_threads()
+        self.stamp(ts, "b_prime", tidx)
 
         # ================================================================ phase 3: Akk, Aqk on wgmma
         a_tiles = (sKa, sQa)
@@ -847,9 +873,11 @@ class KdaFwdIntraTC:
                 acc_ob[x].append(acc_i)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
+        self.stamp(ts, "wgmma_wait", tidx)
 
         thr_wu = mma_wu.get_slice(tidx)
         cute.arch.sync_threads()  # every warp is past its reads of the operand tiles: reuse them
+        self.stamp(ts, "wgmma_bar", tidx)
 
         # ------------------------------------------------ combine: Akk β -> sA (fp32), Aqk -> staging
         cD = thr_d.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
@@ -865,6 +893,7 @@ class KdaFwdIntraTC:
         cute.copy(st_d, st_d.retile(rAqk), st_d.get_slice(tidx).partition_D(sAqk[None, None, 0]))
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
+        self.stamp(ts, "combine", tidx)
         one = cute.make_layout(1)
         if warp == 0:
             gAqk = cute.local_tile(tAqk[None, None, hv], (CHUNK, CHUNK), (None, 0))
@@ -881,9 +910,10 @@ class KdaFwdIntraTC:
         # ==================================================== phase 4: T = (I + Akk)^-1, fp32 SIMT
         if cutlass.const_expr("no_inverse" in self.diag):
             if scale < F32(0.0):  # never (timing only): T' is formed from whatever sT holds
-                self.invert(sA, sT, sY, warp, lane, tidx, tb_raw)
+                self.invert(sA, sT, sY, warp, lane, tidx, tb_raw, ts)
         else:
-            self.invert(sA, sT, sY, warp, lane, tidx, tb_raw)
+            self.invert(sA, sT, sY, warp, lane, tidx, tb_raw, ts)
+        self.stamp(ts, "inverse", tidx)
         # T' = T diag(β) in bf16 (upper blocks zero): the A operand of w and u; each thread forms
         # 8-column pieces of one row
         tpr = THREADS // CHUNK  # threads per row
@@ -912,6 +942,7 @@ class KdaFwdIntraTC:
                 cute.autovec_copy(obf, _vec(pQG + HV * R * DK, (hv * R + row0 + ti) * CHUNK + j0, 8))
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
+        self.stamp(ts, "t_prime", tidx)
         if cutlass.const_expr(self.t_out):
             # T' leaves for stage 2 (columns 64-127 of the Aqk rows) while phase 5 reads the same tile
             # (the Aqk staging layout is T''s operand layout: kda_fwd_intra_tc.layout_facts)
@@ -945,6 +976,7 @@ class KdaFwdIntraTC:
         warpgroup.commit_group()
         warpgroup.wait_group(0)
         cute.arch.sync_threads()  # T', X and v are read: the X / v tiles become the w / u staging
+        self.stamp(ts, "phase5", tidx)
 
         # ================================================ phase 6: w, u -> swizzled tiles -> TMA stores
         thr_st = st_wu.get_slice(tidx)
@@ -954,6 +986,7 @@ class KdaFwdIntraTC:
             cute.copy(st_wu, st_wu.retile(r_out), thr_st.partition_D(stage_tiles[x][None, None, 0]))
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
+        self.stamp(ts, "phase6", tidx)
         if warp == 0:
             gW = cute.local_tile(tW[None, None, hv], (CHUNK, DK), (None, 0))
             gU = cute.local_tile(tU[None, None, hv], (CHUNK, DV), (None, 0))
@@ -975,9 +1008,16 @@ class KdaFwdIntraTC:
                 cute.arch.cp_async_bulk_commit_group()
                 # shared memory must outlive the bulk copies' reads of it
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if cutlass.const_expr(self.clock):
+            self.stamp(ts, "end", tidx)
+            if tidx == 0:  # after γ's [HV, NC, 128] floats: CLOCK_SLOTS int64 per (head, chunk)
+                ts[CLOCK_SLOTS - 1] = smid().to(cutlass.Int64)
+                base = cute.recast_ptr(pGam, dtype=cutlass.Int64) + (HV * NC * DK) // 2
+                cute.autovec_copy(ts, _vec(base, (hv * NC + chunk) * CLOCK_SLOTS, CLOCK_SLOTS))
 
     @cute.jit
-    def invert(self, sA: cute.Tensor, sT: cute.Tensor, sY: cute.Tensor, warp, lane, tidx, b_raw: cute.Pointer):
+    def invert(self, sA: cute.Tensor, sT: cute.Tensor, sY: cute.Tensor, warp, lane, tidx, b_raw: cute.Pointer,
+               ts=None):
         """sT <- (I + sA)^-1 on and below the diagonal blocks (sA strictly lower, fp32, row pitch PAD).
 
         1. warp w, lanes 0..15: column ``lane`` of the 16x16 diagonal block w by forward substitution
@@ -996,6 +1036,7 @@ class KdaFwdIntraTC:
         pY = sY.iterator
         self.diagonal_blocks(pA, sT, warp, lane)
         cute.arch.sync_threads()
+        self.stamp(ts, "inv_diag", tidx)
         # step 2: the first half of the threads block (1, 0), the second half block (3, 2); a thread owns
         # rows r2 rg .. + r2 - 1 and columns 2cp, 2cp+1
         r2 = 2
@@ -1017,6 +1058,7 @@ class KdaFwdIntraTC:
                 acc2[x, y] = -acc2[x, y]
             cute.autovec_copy(acc2[x, None], _vec(pT, (ib * SUB + r2 * rg + x) * PAD + jb * SUB + 2 * cp, 2))
         cute.arch.sync_threads()
+        self.stamp(ts, "inv_step2", tidx)
         if cutlass.const_expr(self.inv_wgmma):
             self.lower_left_wgmma(sA, sT, b_raw, warp, tidx)
         else:
@@ -1353,6 +1395,8 @@ def compile_targets():
         "t_out_block32": build(cutlass.BFloat16, **full, t_out=True, factor_block=32),
         "emit_akk_block32": build(cutlass.BFloat16, **full, emit_akk=True, factor_block=32),
         "t_out_block32_direct": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, gate_factors="direct"),
+        # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
+        "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
         "log_gate": build(cutlass.Float32, **{**full, "has_a_log": False, "has_dt_bias": False}, log_gate=True),
     }

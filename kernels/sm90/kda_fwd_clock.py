@@ -1,0 +1,149 @@
+"""Where the tensor-core stage 1 spends a chunk's time, phase by phase, by the SM's cycle counter.
+
+    python3 -m cula.kernels.sm90.kda_fwd_clock [--B 2 --T 16384 --H 64] [--dist uniform --n 20] [--one-cta]
+
+Runs stage 1 alone with the `kda` suite's flags under the ``clock`` diagnostic (``CULA_KDA_TC_DIAG=clock``;
+``--one-cta`` adds ``one_cta``: one CTA per SM instead of two). Thread 0 of every CTA reads ``%clock64`` right
+after each phase's CTA barrier (``STAMP_NAMES``) and stores the stamps and its SM id. Printed:
+- per phase, the cycles since the stamp before it over the chunks (p10, median, p90) and the median's share of
+  a chunk's median life: a phase that ends in a barrier includes the wait for its slowest warp;
+- per SM, how the CTAs shared it: the time-weighted number resident, the share of a CTA's life spent beside
+  another CTA, and the cycles between one CTA's end and the next one's start there.
+
+Two cautions. The stamps cost ~60 instructions and change ptxas's schedule a little (208 registers instead of
+225), so the device step also times the clock build against the default (``device_round.sh clock``). And the
+counter is per SM: stamps of CTAs on different SMs are not comparable, only their differences.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+#: the stamps' slots (kda_fwd_intra_tc stamps them in this order; slot CLOCK_SLOTS - 1 holds the SM id)
+STAMP_NAMES = ("entry", "phase1", "column_pass", "phase2", "b_prime", "wgmma_wait", "wgmma_bar", "combine",
+               "inv_diag", "inv_step2", "inverse", "t_prime", "phase5", "phase6", "end")
+#: what each span (the cycles up to its stamp from the one before) covers
+SPAN_WHAT = {
+    "phase1": "loads, gate, l2 sums, in-thread cumsum, group totals",
+    "column_pass": "group prefixes, pair factors",
+    "phase2": "factors, operand tiles, qg / kgT / gamma stores",
+    "b_prime": "B' scaling pass (16-row factor blocks)",
+    "wgmma_wait": "Akk / Aqk products issued and waited for",
+    "wgmma_bar": "barrier after the products",
+    "combine": "Akk beta to smem, Aqk staged and stored",
+    "inv_diag": "inverse: 16x16 diagonal blocks",
+    "inv_step2": "inverse: T_10, T_32",
+    "inverse": "inverse: lower-left 32x32 (wgmma)",
+    "t_prime": "T' formed, its store issued",
+    "phase5": "w = T'X product",
+    "phase6": "w staged",
+    "end": "w store issued, smem read out",
+}
+
+
+def phase_rows(stamps: np.ndarray) -> list[tuple[str, float, float, float, float]]:
+    """(span, p10, median, p90 cycles, median's share of the median life) per span, and a last row "life"
+    (entry to end). ``stamps``: int64 [chunks, >= len(STAMP_NAMES)], one row per real chunk."""
+    s = np.asarray(stamps, dtype=np.int64)[:, :len(STAMP_NAMES)]
+    life = s[:, -1] - s[:, 0]
+    med_life = float(np.median(life))
+    rows = []
+    for k in range(1, len(STAMP_NAMES)):
+        d = s[:, k] - s[:, k - 1]
+        p10, p50, p90 = np.percentile(d, [10, 50, 90])
+        rows.append((STAMP_NAMES[k], float(p10), float(p50), float(p90), float(p50) / med_life if med_life else 0.0))
+    p10, p50, p90 = np.percentile(life, [10, 50, 90])
+    rows.append(("life", float(p10), float(p50), float(p90), 1.0))
+    return rows
+
+
+def sm_sharing(entry: np.ndarray, end: np.ndarray, sm: np.ndarray) -> dict[str, float]:
+    """How the CTAs shared their SMs, from each CTA's [entry, end) cycles and SM id:
+    ``resident``: CTAs resident on an SM, time-weighted over its busy span (first entry to last end);
+    ``shared``: the share of a CTA's life (summed over CTAs) with at least one other CTA on its SM;
+    ``gap_median``: median cycles from a CTA's end to the next start on its SM (the next CTA's launch; only
+    ends followed by a start); ``idle``: share of the SMs' busy spans with no CTA resident."""
+    entry, end, sm = (np.asarray(x, dtype=np.int64) for x in (entry, end, sm))
+    weighted = span_total = shared = life_total = idle = 0
+    gaps: list[int] = []
+    for s in np.unique(sm):
+        a, b = entry[sm == s], end[sm == s]
+        # sweep: +1 at each entry, -1 at each end (ends first at equal times)
+        ev = np.concatenate([np.stack([a, np.ones_like(a)], 1), np.stack([b, -np.ones_like(b)], 1)])
+        ev = ev[np.lexsort((ev[:, 1], ev[:, 0]))]
+        t, n = ev[:, 0], np.cumsum(ev[:, 1])
+        dt = np.diff(t)
+        weighted += int(np.sum(n[:-1] * dt))
+        idle += int(np.sum(dt[n[:-1] == 0]))
+        span_total += int(t[-1] - t[0])
+        shared += int(np.sum(dt[n[:-1] >= 2] * n[:-1][n[:-1] >= 2]))  # CTA-cycles with company
+        life_total += int(np.sum(b - a))
+        starts = np.sort(a)
+        for e in b:
+            later = starts[starts >= e]
+            if later.size:
+                gaps.append(int(later[0] - e))
+    return {"resident": weighted / span_total if span_total else 0.0,
+            "shared": shared / life_total if life_total else 0.0,
+            "gap_median": float(np.median(gaps)) if gaps else float("nan"),
+            "idle": idle / span_total if span_total else 0.0}
+
+
+def report(stamps: np.ndarray, sm: np.ndarray, label: str) -> str:
+    """The printed tables (lines start with ``[clock]``)."""
+    out = [f"[clock] {label}: {len(stamps)} chunks on {len(np.unique(sm))} SMs (cycles)",
+           f"[clock] {'span':<12} {'p10':>8} {'median':>8} {'p90':>8} {'share':>6}  what"]
+    for name, p10, p50, p90, share in phase_rows(stamps):
+        out.append(f"[clock] {name:<12} {p10:8.0f} {p50:8.0f} {p90:8.0f} {share:6.1%}  {SPAN_WHAT.get(name, '')}")
+    sh = sm_sharing(stamps[:, 0], stamps[:, len(STAMP_NAMES) - 1], sm)
+    out.append(f"[clock] per SM: {sh['resident']:.2f} CTAs resident, {sh['shared']:.1%} of CTA life beside another, "
+               f"{sh['idle']:.1%} idle, {sh['gap_median']:.0f} cycles from an end to the next start")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--B", type=int, default=2)
+    ap.add_argument("--T", type=int, default=16384)
+    ap.add_argument("--H", type=int, default=64)
+    ap.add_argument("--dist", default=None, help="varlen: uniform, random or skewed lengths (B = 1)")
+    ap.add_argument("--n", type=int, default=20, help="varlen: number of sequences")
+    ap.add_argument("--one-cta", action="store_true", help="one CTA per SM (the one_cta diagnostic) as well")
+    a = ap.parse_args(argv)
+
+    import torch
+
+    from cula.kernels.sm90 import kda_fwd
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+
+    intra_tc.DIAG = ("clock", "one_cta") if a.one_cta else ("clock",)
+    dev = torch.device("cuda")
+    B, T, H = a.B, a.T, a.H
+    cu = None
+    if a.dist is not None:
+        from cula.suites.lengths import cu_seqlens_from_lengths, varlen_lengths
+
+        B = 1
+        cu = torch.tensor(cu_seqlens_from_lengths(varlen_lengths(a.dist, a.n, T)), device=dev, dtype=torch.int32)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, g = (torch.randn(B, T, H, 128, generator=gen).to(dev, torch.bfloat16) for _ in range(4))
+    beta = torch.randn(B, T, H, generator=gen).to(dev, torch.bfloat16)
+    n_state = B if cu is None else cu.numel() - 1
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              A_log=torch.randn(H, generator=gen).to(dev), dt_bias=(torch.randn(H * 128, generator=gen) * 0.1).to(dev),
+              lower_bound=-5.0, safe_gate=True, initial_state=torch.zeros(n_state, H, 128, 128, device=dev),
+              output_final_state=True, cu_seqlens=cu)
+    for _ in range(3):  # the first compiles (or loads the AOT module); the last one's stamps are read
+        kda_fwd.kda_fwd(q, k, v, g, beta, **kw, stages=("intra",))
+    torch.cuda.synchronize()
+    clocks, chunks = kda_fwd.LAST_CLOCKS
+    real = (chunks[:, 1] > 0).cpu().numpy()
+    stamps = clocks.cpu().numpy()[:, real, :].reshape(-1, clocks.shape[-1])
+    label = f"B{B} T{T} H{H}" + (f" {a.dist} n{a.n}" if a.dist else "") + (", one CTA per SM" if a.one_cta else "")
+    print(report(stamps, stamps[:, -1], label), flush=True)
+
+
+if __name__ == "__main__":
+    main()
