@@ -59,7 +59,8 @@ def test_next_on_an_h100_splits_one_cta_then_checks_block32_then_clocks(tmp_path
 def test_clock_times_two_ctas_one_cta_and_what_the_stamps_cost(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "clock")
     runs = [c for c in cmds if "kda_fwd_clock" in c]
-    assert len(runs) == 3 and sum("--one-cta" in c for c in runs) == 1 and "--dist uniform" in runs[-1]
+    assert len(runs) == 4 and sum("--one-cta" in c for c in runs) == 1 and "--dist uniform" in runs[2]
+    assert "--diag no_qg_kgt" in runs[3]
     splits = [c for c in cmds if "--split worst" in c]
     assert [("CULA_KDA_TC_DIAG=clock" in c) for c in splits] == [False, True]
 

@@ -157,8 +157,9 @@ SCENARIOS = {
     "train": ("train", {}),
     # device_round diag_split: the split rows with each of stage 1's timing diagnostics (kda_fwd_intra_tc.DIAG)
     **{f"diag_{d}": ("split", {"intra_tc.DIAG": (d,)}) for d in _SAME_VALUE_DIAGS},
-    # device_round clock: kda_fwd_clock --one-cta (the phase stamps at one CTA per SM)
+    # device_round clock: kda_fwd_clock --one-cta (the phase stamps at one CTA per SM) and --diag no_qg_kgt
     "diag_clock_one_cta": ("split", {"intra_tc.DIAG": ("clock", "one_cta")}),
+    "diag_clock_no_qg_kgt": ("split", {"intra_tc.DIAG": ("clock", "no_qg_kgt")}),
     # device_round gate_factors / subst: the default stage 1 with the pre-session-21 factors (2^Γ by exp2) or
     # substitution (left-looking), in checks and splits (the first mode of each list is the default)
     **{f"gate_{m}_{w}": (what, {"intra_tc.GATE_FACTORS": m}) for m in _GATE_FACTOR_MODES[1:]

@@ -260,11 +260,13 @@ for s in $steps; do
             --check --no-bench --cases tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
         mode_splits s22_split default direct default direct ;;
     clock)  # session 24: stage 1's phases by the SM's cycle counter (kda_fwd_clock) at B2 T16384, two CTAs per SM
-        # and one; the clock build against the default (what the stamps cost); uniform n20 T4096 (~150 s with AOT)
+        # and one; the clock build against the default (what the stamps cost); uniform n20 T4096; without the qg /
+        # kgᵀ stores (which phases their 10.6% comes out of) (~180 s with AOT)
         step clock_2cta 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384
         step clock_1cta 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384 --one-cta
         mode_splits clock_split default clock
-        step clock_n20 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --T 4096 --dist uniform --n 20 ;;
+        step clock_n20 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --T 4096 --dist uniform --n 20
+        step clock_no_qg_kgt 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384 --diag no_qg_kgt ;;
     one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, "Where
         # the time goes and what is next"), twice in turn (<= 120 s; AOT scenario diag_one_cta)
         mode_splits one_cta_split default one_cta default one_cta ;;

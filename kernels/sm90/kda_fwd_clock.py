@@ -1,9 +1,11 @@
 """Where the tensor-core stage 1 spends a chunk's time, phase by phase, by the SM's cycle counter.
 
     python3 -m cula.kernels.sm90.kda_fwd_clock [--B 2 --T 16384 --H 64] [--dist uniform --n 20] [--one-cta]
+        [--diag no_qg_kgt]
 
 Runs stage 1 alone with the `kda` suite's flags under the ``clock`` diagnostic (``CULA_KDA_TC_DIAG=clock``;
-``--one-cta`` adds ``one_cta``: one CTA per SM instead of two). Thread 0 of every CTA reads ``%clock64`` right
+``--one-cta`` adds ``one_cta``: one CTA per SM instead of two; ``--diag`` adds other timing diagnostics, e.g.
+``no_qg_kgt``, to see which phases shrink without that work). Thread 0 of every CTA reads ``%clock64`` right
 after each phase's CTA barrier (``STAMP_NAMES``) and stores the stamps and its SM id. Printed:
 - per phase, the cycles since the stamp before it over the chunks (p10, median, p90) and the median's share of
   a chunk's median life: a phase that ends in a barrier includes the wait for its slowest warp;
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dist", default=None, help="varlen: uniform, random or skewed lengths (B = 1)")
     ap.add_argument("--n", type=int, default=20, help="varlen: number of sequences")
     ap.add_argument("--one-cta", action="store_true", help="one CTA per SM (the one_cta diagnostic) as well")
+    ap.add_argument("--diag", default="", help="more kda_fwd_intra_tc diagnostics, comma-separated (timing only)")
     a = ap.parse_args(argv)
 
     import torch
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     from cula.kernels.sm90 import kda_fwd
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
-    intra_tc.DIAG = ("clock", "one_cta") if a.one_cta else ("clock",)
+    intra_tc.DIAG = ("clock", *(("one_cta",) if a.one_cta else ()), *(d for d in a.diag.split(",") if d))
     dev = torch.device("cuda")
     B, T, H = a.B, a.T, a.H
     cu = None
@@ -141,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     clocks, chunks = kda_fwd.LAST_CLOCKS
     real = (chunks[:, 1] > 0).cpu().numpy()
     stamps = clocks.cpu().numpy()[:, real, :].reshape(-1, clocks.shape[-1])
-    label = f"B{B} T{T} H{H}" + (f" {a.dist} n{a.n}" if a.dist else "") + (", one CTA per SM" if a.one_cta else "")
+    label = (f"B{B} T{T} H{H}" + (f" {a.dist} n{a.n}" if a.dist else "") + (", one CTA per SM" if a.one_cta else "")
+             + (f", {a.diag}" if a.diag else ""))
     print(report(stamps, stamps[:, -1], label), flush=True)
 
 
