@@ -77,3 +77,11 @@ def test_block32_checks_name_real_cases_then_splits(tmp_path):
     splits = cmds[1:]
     assert [("CULA_KDA_TC_FACTOR_BLOCK=32" in c) for c in splits] == [False, True, True] * 2
     assert [("CULA_KDA_TC_GATE_FACTORS=direct" in c) for c in splits] == [False, False, True] * 2
+
+
+def test_persistent_checks_bitwise_then_splits(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "persistent")
+    assert "pytest" in cmds[0] and "-k persistent_stage1" in cmds[0]
+    splits = cmds[1:]
+    assert len(splits) == 4 and all("--split worst" in c for c in splits)
+    assert [("CULA_KDA_TC_PERSISTENT=1" in c) for c in splits] == [False, True, False, True]

@@ -160,6 +160,9 @@ SCENARIOS = {
     # device_round clock: kda_fwd_clock --one-cta (the phase stamps at one CTA per SM) and --diag no_qg_kgt
     "diag_clock_one_cta": ("split", {"intra_tc.DIAG": ("clock", "one_cta")}),
     "diag_clock_no_qg_kgt": ("split", {"intra_tc.DIAG": ("clock", "no_qg_kgt")}),
+    # device_round persistent: the persistent stage 1 in the check cases, the GPU test's and the split rows
+    "persistent_checks": ("tc", {"intra_tc.PERSISTENT": True}),
+    "persistent_split": ("split", {"intra_tc.PERSISTENT": True}),
     # device_round gate_factors / subst: the default stage 1 with the pre-session-21 factors (2^Γ by exp2) or
     # substitution (left-looking), in checks and splits (the first mode of each list is the default)
     **{f"gate_{m}_{w}": (what, {"intra_tc.GATE_FACTORS": m}) for m in _GATE_FACTOR_MODES[1:]

@@ -59,6 +59,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         left) envs="CULA_KDA_TC_SUBST=left" ;;
         one_cta) envs="CULA_KDA_TC_DIAG=one_cta" ;;
         clock) envs="CULA_KDA_TC_DIAG=clock" ;;
+        persistent) envs="CULA_KDA_TC_PERSISTENT=1" ;;
         block32) envs="CULA_KDA_TC_FACTOR_BLOCK=32" ;;
         block32_direct) envs="CULA_KDA_TC_FACTOR_BLOCK=32 CULA_KDA_TC_GATE_FACTORS=direct" ;;
         esac
@@ -259,6 +260,12 @@ for s in $steps; do
         step s22_direct_check 200 env CULA_KDA_TC_GATE_FACTORS=direct python3 -u -m cula.kernels.sm90.kda_fwd \
             --check --no-bench --cases tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
         mode_splits s22_split default direct default direct ;;
+    persistent)  # session 24: persistent stage 1 (CULA_KDA_TC_PERSISTENT, CPU-compiled only): bitwise against the
+        # default on two large cases (several items per CTA) and two small ones, eager and in a CUDA graph; then
+        # default / persistent splits twice (<= 300 s with AOT)
+        step persistent_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k persistent_stage1
+        mode_splits persistent_split default persistent default persistent ;;
     clock)  # session 24: stage 1's phases by the SM's cycle counter (kda_fwd_clock) at B2 T16384, two CTAs per SM
         # and one; the clock build against the default (what the stamps cost); uniform n20 T4096; without the qg /
         # kgᵀ stores (which phases their 10.6% comes out of) (~180 s with AOT)
