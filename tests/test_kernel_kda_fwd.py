@@ -648,8 +648,8 @@ def test_gpu_persistent_stage1_equals_the_default(name, monkeypatch):
 
 
 def test_host_path_persistent_stage1(monkeypatch):
-    """With PERSISTENT the stage-1 launch key carries ``persistent`` (a kernel of its own); without it the key is
-    as before."""
+    """With PERSISTENT the stage-1 launch key carries ``persistent``, the grid's CTAs from the SM count (132 here:
+    264, two per SM); without it the key is as before."""
     pytest.importorskip("cutlass")
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
@@ -662,7 +662,7 @@ def test_host_path_persistent_stage1(monkeypatch):
     monkeypatch.setattr(intra_tc, "PERSISTENT", False)
     kda_fwd.kda_fwd(*args, **kw)
     keys = [dict(key[0]) for kind, key, _, _ in calls if kind == "intra_tc"]
-    assert keys[0].get("persistent") is True and "persistent" not in keys[1]
+    assert keys[0].get("persistent") == 264 and "persistent" not in keys[1]
     assert {k: v for k, v in keys[0].items() if k != "persistent"} == keys[1]
 
 

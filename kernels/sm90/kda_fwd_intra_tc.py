@@ -112,13 +112,13 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: 2.29x -> 2.39x). Session 6's TMA bulk prefetch of the same rows was 1-12% slower (the per-thread form
 #: also won over the bulk one in stage 2, session 8). ``CULA_KDA_TC_PREFETCH`` sets it for A/B runs.
 PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
-#: Persistent stage 1 (session 24, opt-in, not yet run on a GPU): PERSISTENT_CTAS CTAs (two per SM of an H100 /
-#: H200) walk the (chunk, head) items in launch order, CTA b taking items b, b + grid, ...; each CTA asks L2 for
+#: Persistent stage 1 (session 24, opt-in, not yet run on a GPU): CTAS_PER_SM CTAs per SM (``persistent``: their
+#: number, from the host's SM count) walk the (chunk, head) items in launch order, CTA b taking items b, b + grid,
+#: ...; each CTA asks L2 for
 #: its own next item's rows (the prefetch distance is the grid, not PREFETCH_AHEAD: the item 66 places later is
 #: another CTA's, in flight). What it can save: the gap between one CTA's end and the next one's start on an SM,
 #: and the next CTA's prologue (the clock diagnostic measures the gap). ``CULA_KDA_TC_PERSISTENT=1``.
 PERSISTENT = __import__("os").environ.get("CULA_KDA_TC_PERSISTENT", "0") == "1"
-PERSISTENT_CTAS = CTAS_PER_SM * 132  # on a GPU with fewer SMs the extra CTAs wait for a slot (correct, uneven)
 #: How phase 2 forms its reference factors per element (kda_fwd_log.md, sessions 20-21): "halves" (the default since
 #: session 21) 2^(Γ−C) and 2^(C−Γ) by exp2, 2^Γ never formed: the products that need it, q·2^Γ and k·2^Γ, are
 #: (q·2^(Γ−C))·2^(C/2)·2^(C/2) from the q·2^(Γ−C) already formed (136 MUFU per thread, no drift; the halves keep
@@ -204,7 +204,7 @@ class KdaFwdIntraTC:
         gate_factors: str = GATE_FACTOR_MODES[0],
         subst: str = SUBST_MODES[0],
         factor_block: int = FACTOR_BLOCKS[0],
-        persistent: bool = False,
+        persistent: int = 0,
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -231,7 +231,7 @@ class KdaFwdIntraTC:
         # no v loads, prefetches or tile and no u product or store: t_out, or the diagnostic that times it
         self.skip_vu = t_out or "no_v_u" in self.diag
         self.clock = "clock" in self.diag  # phase timestamps (CLOCK_STAMPS), the outputs unchanged
-        self.persistent = persistent  # PERSISTENT
+        self.persistent = persistent  # PERSISTENT: the persistent grid's CTAs (CTAS_PER_SM per SM), 0 = one per item
         self.inv_wgmma = inv_wgmma
         if gate_factors not in GATE_FACTOR_MODES:
             raise ValueError(f"gate_factors (CULA_KDA_TC_GATE_FACTORS): expected one of {GATE_FACTOR_MODES}, "
@@ -324,7 +324,7 @@ class KdaFwdIntraTC:
         self.shared_storage = SharedStorage
         grid = [NC, HV, 1]
         if cutlass.const_expr(self.persistent):
-            grid = [cutlass.min(NC * HV, PERSISTENT_CTAS), 1, 1]
+            grid = [cutlass.min(NC * HV, self.persistent), 1, 1]
         self.kernel(
             pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam,
             tma_w, tW, tma_u, tU, tma_aqk, tAqk,
@@ -1437,7 +1437,7 @@ def compile_targets():
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # persistent CTAs walking the items (PERSISTENT)
-        "t_out_persistent": build(cutlass.BFloat16, **full, t_out=True, persistent=True),
+        "t_out_persistent": build(cutlass.BFloat16, **full, t_out=True, persistent=CTAS_PER_SM * 132),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
         "log_gate": build(cutlass.Float32, **{**full, "has_a_log": False, "has_dt_bias": False}, log_gate=True),
     }
