@@ -54,8 +54,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
 from cula.kernels.common.sm_clock import clock64, smid
-from cula.kernels.sm90.kda_fwd_clock import STAMP_NAMES as CLOCK_STAMPS
 from cula.kernels.common.wgmma_frag import a_operand_layout
+from cula.kernels.sm90.kda_fwd_clock import STAMP_NAMES as CLOCK_STAMPS
 
 CHUNK = 64  # tokens per chunk (FLA's chunk_size): one wgmma M tile
 DK = 128  # key head dim
@@ -114,10 +114,10 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
 #: Persistent stage 1 (session 24, opt-in, not yet run on a GPU): CTAS_PER_SM CTAs per SM (``persistent``: their
 #: number, from the host's SM count) walk the (chunk, head) items in launch order, CTA b taking items b, b + grid,
-#: ...; each CTA asks L2 for
-#: its own next item's rows (the prefetch distance is the grid, not PREFETCH_AHEAD: the item 66 places later is
-#: another CTA's, in flight). What it can save: the gap between one CTA's end and the next one's start on an SM,
-#: and the next CTA's prologue (the clock diagnostic measures the gap). ``CULA_KDA_TC_PERSISTENT=1``.
+#: ...; each CTA asks L2 for its own next item's rows (the prefetch distance is the grid, not PREFETCH_AHEAD: the
+#: item 66 places later is another CTA's, in flight). What it can save: the gap between one CTA's end and the next
+#: one's start on an SM, and the next CTA's prologue (the clock diagnostic measures the gap).
+#: ``CULA_KDA_TC_PERSISTENT=1``.
 PERSISTENT = __import__("os").environ.get("CULA_KDA_TC_PERSISTENT", "0") == "1"
 #: How phase 2 forms its reference factors per element (kda_fwd_log.md, sessions 20-21): "halves" (the default since
 #: session 21) 2^(Γ−C) and 2^(C−Γ) by exp2, 2^Γ never formed: the products that need it, q·2^Γ and k·2^Γ, are
@@ -150,10 +150,10 @@ SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
 #: kda_fwd_log.md, session 16's reading; a no-op with ``t_out``); ``one_cta``: the launch asks for ``ONE_CTA_SMEM``
 #: of shared memory, so one CTA runs per SM instead of two (same code and values: only the warps per SM change;
 #: what a fused kernel with one stage-1 warpgroup per SM would keep of stage 1's throughput, kda_fwd_log.md session
-#: 23). A split per option against none says what each costs. ``clock`` (outputs right): thread 0 reads the SM's
-#: cycle counter where each phase ends (after its CTA barrier) into CLOCK_SLOTS int64 per chunk, after γ's floats
-#: in the same buffer (kda_fwd.LAST_CLOCKS; ``python -m cula.kernels.sm90.kda_fwd_clock`` reads them): the
-#: phases' time per chunk, and from the SM ids how much of a CTA's life it shares its SM.
+#: 23). A split per option against none says what each costs. ``clock`` (outputs right): the threads read the SM's
+#: cycle counter where each phase ends (after its CTA barrier); thread 0 stores CLOCK_SLOTS int64 per chunk after
+#: γ's floats in the same buffer (kda_fwd.LAST_CLOCKS; ``python -m cula.kernels.sm90.kda_fwd_clock`` reads them):
+#: the phases' time per chunk, and from the SM ids how much of a CTA's life it shares its SM.
 DIAG_OPTIONS = ("l2_loads", "no_qg_kgt", "no_wu_store", "no_aqk_store", "no_inverse", "no_v_u", "one_cta", "clock")
 #: the ``one_cta`` diagnostic's shared-memory request: more than half of an SM's 228 KB, within a CTA's 227 KB
 ONE_CTA_SMEM = 160 * 1024
