@@ -48,12 +48,19 @@ def test_next_on_an_h200_publishes_then_splits(tmp_path):
     assert [("CULA_KDA_TC_DIAG=one_cta" in c) for c in splits] == [False, True, False, True]
 
 
-def test_next_on_an_h100_splits_one_cta_then_checks_block32_then_clocks(tmp_path):
+def test_next_on_an_h100_splits_one_cta_then_checks_block32(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "next")
     assert not any("cula.cli bench" in c for c in cmds)
     assert all("--split worst" in c for c in cmds[:4]) and sum("CULA_KDA_TC_DIAG=one_cta" in c for c in cmds) == 2
-    block32 = dry_run(tmp_path / "b", "NVIDIA H100 80GB HBM3", "block32")
-    assert cmds[4:] == block32 + dry_run(tmp_path / "c", "NVIDIA H100 80GB HBM3", "clock")
+    assert cmds[4:] == dry_run(tmp_path / "b", "NVIDIA H100 80GB HBM3", "block32")
+
+
+@pytest.mark.parametrize("gpu,plan", [("NVIDIA H100 80GB HBM3", ("clock", "persistent")),
+                                      ("NVIDIA H200", ("block32", "clock"))])
+def test_next2_is_the_second_call(tmp_path, gpu, plan):
+    cmds = dry_run(tmp_path, gpu, "next2")
+    expected = [c for i, step in enumerate(plan) for c in dry_run(tmp_path / str(i), gpu, step)]
+    assert cmds == expected and cmds
 
 
 def test_clock_times_two_ctas_one_cta_and_what_the_stamps_cost(tmp_path):

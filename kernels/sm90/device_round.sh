@@ -12,15 +12,25 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . >"$OUT/install.log" 2>&1 \
     || { echo "== install failed"; tail -5 "$OUT/install.log"; }
 steps=${*:-decode bench_gpu kda_check packed}
-# "next": the next session's plan (docs/DEVICE.md), chosen by the card that came, so that no call is spent on a
-# guard: on an H200 the suites to publish (CULA_GIT_SHA set), then one_cta (block32 in a second call: the ten
-# minutes of one call do not hold all of it); on another card one_cta and block32
+# "next" / "next2": the next session's first and second calls (docs/DEVICE.md), chosen by the card that came, so
+# that no call is spent on a guard (ten minutes a call hold about one line each): on an H200 the suites to publish
+# (CULA_GIT_SHA set) and one_cta, then block32 and clock; on another card one_cta and block32, then clock and
+# persistent (on an H200, persistent in a third call)
+h200=0
+if [[ " $steps " == *" next "* || " $steps " == *" next2 "* ]]; then
+    nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && h200=1
+fi
 if [[ " $steps " == *" next "* ]]; then
-    plan="one_cta block32 clock"
-    nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 \
-        && plan="kda_suite kda_layer_suite train_suite one_cta"
+    plan="one_cta block32"
+    [ $h200 = 1 ] && plan="kda_suite kda_layer_suite train_suite one_cta"
     steps=$(echo " $steps " | sed "s/ next / $plan /" | xargs)
     echo "== next: $steps"
+fi
+if [[ " $steps " == *" next2 "* ]]; then
+    plan="clock persistent"
+    [ $h200 = 1 ] && plan="block32 clock"
+    steps=$(echo " $steps " | sed "s/ next2 / $plan /" | xargs)
+    echo "== next2: $steps"
 fi
 start=$SECONDS
 step() {  # step NAME TIMEOUT CMD...
