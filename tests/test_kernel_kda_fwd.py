@@ -426,10 +426,13 @@ def test_tc_factor_block_32_matches_exact_stages_as_block_16_does(lb, a_scale, n
 
 
 def test_factor_block_is_chosen_by_the_bound(monkeypatch):
-    """The host asks for 32-row factor blocks only when CULA_KDA_TC_FACTOR_BLOCK does and the kernel's bound allows."""
+    """The host asks for 32-row factor blocks (the default since session 24) where the kernel's bound allows them,
+    and never when CULA_KDA_TC_FACTOR_BLOCK says 16."""
     from cula.kernels.sm90 import kda_fwd_intra_tc as tc
 
-    assert tc.FACTOR_BLOCK == 16 and kda_fwd.factor_block(-5.0, False) == 16  # the default
+    assert tc.FACTOR_BLOCK == 32  # the default
+    monkeypatch.setattr(tc, "FACTOR_BLOCK", 16)
+    assert kda_fwd.factor_block(-5.0, False) == 16 and kda_fwd.factor_block(-0.1, False) == 16
     monkeypatch.setattr(tc, "FACTOR_BLOCK", 32)
     assert kda_fwd.factor_block(-5.0, False) == 32 and kda_fwd.factor_block(-0.1, False) == 32
     assert kda_fwd.factor_block(tc.BLOCK32_MIN_LOWER_BOUND, False) == 32

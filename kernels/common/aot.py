@@ -173,6 +173,8 @@ SCENARIOS = {
     **{f"block32_{w}": (what, {"intra_tc.FACTOR_BLOCK": 32})
        for w, what in (("checks", "tc"), ("split", "split"))},
     "block32_direct_split": ("split", {"intra_tc.FACTOR_BLOCK": 32, "intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1]}),
+    # device_round block16: the 16-row blocks (the default before session 24) in the split rows
+    "block16_split": ("split", {"intra_tc.FACTOR_BLOCK": 16}),
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 

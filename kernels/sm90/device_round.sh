@@ -72,6 +72,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         persistent) envs="CULA_KDA_TC_PERSISTENT=1" ;;
         block32) envs="CULA_KDA_TC_FACTOR_BLOCK=32" ;;
         block32_direct) envs="CULA_KDA_TC_FACTOR_BLOCK=32 CULA_KDA_TC_GATE_FACTORS=direct" ;;
+        block16) envs="CULA_KDA_TC_FACTOR_BLOCK=16" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
@@ -270,6 +271,11 @@ for s in $steps; do
         step s22_direct_check 200 env CULA_KDA_TC_GATE_FACTORS=direct python3 -u -m cula.kernels.sm90.kda_fwd \
             --check --no-bench --cases tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
         mode_splits s22_split default direct default direct ;;
+    loggate32)  # session 24: the log-space-gate checks with 32-row blocks (the default now; block32's ninth check
+        # did not fit its step), then the split rows with 16-row blocks against the default
+        step loggate32_check 150 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases tc-loggate-safe-varlen,tc-loggate-safe-floor
+        mode_splits block16_split default block16 ;;
     persistent)  # session 24: persistent stage 1 (CULA_KDA_TC_PERSISTENT, CPU-compiled only): bitwise against the
         # default on two large cases (several items per CTA) and two small ones, eager and in a CUDA graph; then
         # default / persistent splits twice (<= 300 s with AOT)

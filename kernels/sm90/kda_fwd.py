@@ -786,7 +786,7 @@ def _side_stream(dev: torch.device) -> "torch.cuda.Stream":
 
 def factor_block(lower_bound: float, softplus_gate: bool) -> int:
     """Rows per reference-factor block of the tensor-core stage 1 for the bound its kernel is given: the
-    ``CULA_KDA_TC_FACTOR_BLOCK`` choice (16 unless set) where the bound allows it (32 needs ``lower_bound >=
+    ``CULA_KDA_TC_FACTOR_BLOCK`` choice (32 unless set) where the bound allows it (32 needs ``lower_bound >=
     BLOCK32_MIN_LOWER_BOUND``; the softplus gate's floor never does), 16 otherwise."""
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 

@@ -74,12 +74,14 @@ YPAD = 2 * SUB  # fp32 row pitch of the inverse's 32x32 scratch Y
 #: sKb1); the inverse's scratch Y starts after sA's overrun
 INV_SPILL = CHUNK * PAD - CHUNK * DK // 2
 PAIRS = ((1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (3, 2))  # (I, J) off-diagonal block pairs, I > J
-#: Rows per reference-factor block (``CULA_KDA_TC_FACTOR_BLOCK``): 16 (the default) takes every bound down to
-#: MIN_LOWER_BOUND; 32 needs ``lower_bound >= BLOCK32_MIN_LOWER_BOUND`` and has one off-diagonal block instead of
-#: six (one B' tile of 32 rows, one m64n32 product per matrix; kda_fwd_log.md, session 23). Opt-in until
-#: its GPU checks pass.
+#: Rows per reference-factor block (``CULA_KDA_TC_FACTOR_BLOCK``): 16 takes every bound down to MIN_LOWER_BOUND;
+#: 32 needs ``lower_bound >= BLOCK32_MIN_LOWER_BOUND`` and has one off-diagonal block instead of six (one B' tile
+#: of 32 rows, one m64n32 product per matrix; kda_fwd_log.md, sessions 23-24). The host's choice (32, the default
+#: since session 24, wherever the bound allows: kda_fwd.factor_block): on an H100 eight tc checks passed at the
+#: FLA-level errors of the 16-row blocks, and stage 1 took 1.734 ms against 1.838 at B2 T16384 H64 (-5.7%) and
+#: -6.8 to -7.4% on the varlen n20 T4096 rows (--split worst, twice each). ``CULA_KDA_TC_FACTOR_BLOCK=16`` for A/B.
 FACTOR_BLOCKS = (16, 32)
-_FACTOR_BLOCK_ENV = __import__("os").environ.get("CULA_KDA_TC_FACTOR_BLOCK", str(FACTOR_BLOCKS[0]))
+_FACTOR_BLOCK_ENV = __import__("os").environ.get("CULA_KDA_TC_FACTOR_BLOCK", str(FACTOR_BLOCKS[1]))
 if _FACTOR_BLOCK_ENV not in [str(b) for b in FACTOR_BLOCKS]:
     raise ValueError(f"CULA_KDA_TC_FACTOR_BLOCK: expected one of {FACTOR_BLOCKS}, got {_FACTOR_BLOCK_ENV!r}")
 FACTOR_BLOCK = int(_FACTOR_BLOCK_ENV)
