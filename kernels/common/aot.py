@@ -175,6 +175,8 @@ SCENARIOS = {
     "block32_direct_split": ("split", {"intra_tc.FACTOR_BLOCK": 32, "intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1]}),
     # device_round block16: the 16-row blocks (the default before session 24) in the split rows
     "block16_split": ("split", {"intra_tc.FACTOR_BLOCK": 16}),
+    # device_round loggate32: the log-space-gate checks with 32-row blocks
+    "loggate32_checks": ("tc", {"intra_tc.LOG_GATE_BLOCK32": True}),
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 

@@ -273,8 +273,8 @@ for s in $steps; do
         mode_splits s22_split default direct default direct ;;
     loggate32)  # session 24: the log-space-gate checks with 32-row blocks (the default now; block32's ninth check
         # did not fit its step), then the split rows with 16-row blocks against the default
-        step loggate32_check 150 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
-            --cases tc-loggate-safe-varlen,tc-loggate-safe-floor
+        step loggate32_check 150 env CULA_KDA_TC_LOGGATE_BLOCK32=1 python3 -u -m cula.kernels.sm90.kda_fwd --check \
+            --no-bench --cases tc-loggate-safe-varlen,tc-loggate-safe-floor
         mode_splits block16_split default block16 ;;
     persistent)  # session 24: persistent stage 1 (CULA_KDA_TC_PERSISTENT, CPU-compiled only): bitwise against the
         # default on two large cases (several items per CTA) and two small ones, eager and in a CUDA graph; then

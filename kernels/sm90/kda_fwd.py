@@ -642,7 +642,7 @@ def kda_fwd(
             tc_flags.update(subst=intra_tc.SUBST)
         if intra_tc.PERSISTENT:  # only set, so the keys of the other calls stay as before
             tc_flags.update(persistent=intra_tc.CTAS_PER_SM * sm_count(dev))
-        block = factor_block(lb, softplus_tc)
+        block = factor_block(lb, softplus_tc, log_tc)
         if block != intra_tc.FACTOR_BLOCKS[0]:
             tc_flags.update(factor_block=block)
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
@@ -784,14 +784,16 @@ def _side_stream(dev: torch.device) -> "torch.cuda.Stream":
     return _SIDE_STREAMS[index]
 
 
-def factor_block(lower_bound: float, softplus_gate: bool) -> int:
+def factor_block(lower_bound: float, softplus_gate: bool, log_gate: bool = False) -> int:
     """Rows per reference-factor block of the tensor-core stage 1 for the bound its kernel is given: the
     ``CULA_KDA_TC_FACTOR_BLOCK`` choice (32 unless set) where the bound allows it (32 needs ``lower_bound >=
-    BLOCK32_MIN_LOWER_BOUND``; the softplus gate's floor never does), 16 otherwise."""
+    BLOCK32_MIN_LOWER_BOUND``; the softplus gate's floor never does) and, for precomputed log-space gates, once
+    validated (``LOG_GATE_BLOCK32``); 16 otherwise."""
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
     block = intra_tc.FACTOR_BLOCK
-    if block != intra_tc.FACTOR_BLOCKS[0] and (softplus_gate or lower_bound < intra_tc.BLOCK32_MIN_LOWER_BOUND):
+    if block != intra_tc.FACTOR_BLOCKS[0] and (softplus_gate or lower_bound < intra_tc.BLOCK32_MIN_LOWER_BOUND
+                                               or (log_gate and not intra_tc.LOG_GATE_BLOCK32)):
         return intra_tc.FACTOR_BLOCKS[0]
     return block
 
