@@ -84,3 +84,21 @@ def test_clock_ptx_reads_the_counter_at_every_stamp():
     assert rep.spill_bytes == 0
     base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out")
     assert "%clock64" not in base.ptx and "%smid" not in base.ptx
+
+
+def test_suite_call_is_the_split_rows_launch(monkeypatch):
+    """kda_fwd_clock and kda_fwd_profile build their call with ``suite_call``: the suite's flags, so its stage-1
+    launch under the clock diagnostic is one the AOT scenario ``diag_clock`` prebuilds; varlen means B = 1."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common import aot
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+    from cula.kernels.sm90.kda_fwd_profile import suite_call
+
+    have = {key for kind, key, _, _ in aot.record_launches("diag_clock") if kind == "intra_tc"}
+    calls = record_kda_launches(monkeypatch)
+    monkeypatch.setattr(intra_tc, "DIAG", ("clock",))
+    args, kw = suite_call(2, 256, 4, "uniform", 3, dev="cpu")
+    assert args[0].shape == (1, 256, 4, 128) and kw["cu_seqlens"].tolist()[-1] == 256
+    assert kw["initial_state"].shape == (3, 4, 128, 128)
+    kda_fwd.kda_fwd(*args, **kw, stages=("intra",))
+    assert [c[1] in have for c in calls if c[0] == "intra_tc"] == [True]
