@@ -66,11 +66,13 @@ def test_scenarios_record_the_device_steps_launches():
             alt = [k_ for k, k_, _, _ in aot.record_launches(scenario) if k == "intra_tc"]
             assert alt and all(dict(k_[0]).get(key) == mode and dict(k_[0])["t_out"] for k_ in alt)
     assert (intra_tc.GATE_FACTORS, intra_tc.SUBST) == ("halves", "right")
-    # block32's modules: 32-row factor blocks exactly where the bound allows them (not the softplus floor, not -11)
-    for scenario in ("block32_checks", "block32_split"):
+    # the default modules: 32-row factor blocks exactly where the bound allows them (not the softplus floor, not -11)
+    for scenario in ("checks", "split"):
         keys = [dict(k_[0]) for k, k_, _, _ in aot.record_launches(scenario) if k == "intra_tc"]
         assert any(k_.get("factor_block") == 32 for k_ in keys)
         assert all(k_.get("factor_block", 16) == 16 for k_ in keys if k_.get("softplus_gate"))
+    keys = [dict(k_[0]) for k, k_, _, _ in aot.record_launches("block16_split") if k == "intra_tc"]
+    assert keys and all(k_.get("factor_block", 16) == 16 for k_ in keys)
     assert intra_tc.FACTOR_BLOCK == 32  # the default, restored after the scenarios
 
 

@@ -39,27 +39,21 @@ def dry_run(tmp_path: Path, gpu: str, *steps: str) -> list[str]:
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
-def test_next_on_an_h200_publishes_then_splits(tmp_path):
-    cmds = dry_run(tmp_path, "NVIDIA H200", "next")
+@pytest.mark.parametrize("gpu", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_next_checks_log_gates_then_publishes(tmp_path, gpu):
+    cmds = dry_run(tmp_path, gpu, "next")
+    assert "CULA_KDA_TC_LOGGATE_BLOCK32=1" in cmds[0] and "tc-loggate-safe-varlen" in cmds[0]
     suites = [c.split("--suite ")[1].split()[0] for c in cmds if "cula.cli bench" in c]
-    assert suites == ["kda", "kda_layer", "kda_train"]
-    splits = [c for c in cmds if "--split worst" in c]
-    assert len(splits) == 4 and cmds[-4:] == splits
-    assert [("CULA_KDA_TC_DIAG=one_cta" in c) for c in splits] == [False, True, False, True]
+    assert suites == ["kda", "kda_train", "kda_layer"]
+    steps = ["loggate32", "kda_suite", "train_suite", "kda_layer_suite"]
+    assert cmds == [c.replace(str(tmp_path / str(i)), str(tmp_path)) for i, step in enumerate(steps)
+                    for c in dry_run(tmp_path / str(i), gpu, step)]
 
 
-def test_next_on_an_h100_splits_one_cta_then_checks_block32(tmp_path):
-    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "next")
-    assert not any("cula.cli bench" in c for c in cmds)
-    assert all("--split worst" in c for c in cmds[:4]) and sum("CULA_KDA_TC_DIAG=one_cta" in c for c in cmds) == 2
-    assert cmds[4:] == dry_run(tmp_path / "b", "NVIDIA H100 80GB HBM3", "block32")
-
-
-@pytest.mark.parametrize("gpu,plan", [("NVIDIA H100 80GB HBM3", ("clock", "persistent")),
-                                      ("NVIDIA H200", ("block32", "clock"))])
-def test_next2_is_the_second_call(tmp_path, gpu, plan):
+@pytest.mark.parametrize("gpu", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_next2_is_the_second_call(tmp_path, gpu):
     cmds = dry_run(tmp_path, gpu, "next2")
-    expected = [c for i, step in enumerate(plan) for c in dry_run(tmp_path / str(i), gpu, step)]
+    expected = [c for i, step in enumerate(("block32", "clock")) for c in dry_run(tmp_path / str(i), gpu, step)]
     assert cmds == expected and cmds
 
 
@@ -77,18 +71,12 @@ def test_block32_checks_name_real_cases_then_splits(tmp_path):
 
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "block32")
     check = cmds[0]
-    assert "CULA_KDA_TC_FACTOR_BLOCK=32" in check and "--no-bench" in check
+    assert "CULA_KDA_TC_FACTOR_BLOCK" not in check and "--no-bench" in check  # 32-row blocks: the default
     names = check.split("--cases ")[1].split()[0].split(",")
     assert len(names) == 9 and set(names) <= {c[0] for c in CASES}
     assert {"tc-lb5-strong", "tc-lb536-strong"} <= set(names)
     splits = cmds[1:]
-    assert [("CULA_KDA_TC_FACTOR_BLOCK=32" in c) for c in splits] == [False, True, True] * 2
+    assert [("CULA_KDA_TC_FACTOR_BLOCK=16" in c) for c in splits] == [True, False, False] * 2
     assert [("CULA_KDA_TC_GATE_FACTORS=direct" in c) for c in splits] == [False, False, True] * 2
 
 
-def test_persistent_checks_bitwise_then_splits(tmp_path):
-    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "persistent")
-    assert "pytest" in cmds[0] and "-k persistent_stage1" in cmds[0]
-    splits = cmds[1:]
-    assert len(splits) == 4 and all("--split worst" in c for c in splits)
-    assert [("CULA_KDA_TC_PERSISTENT=1" in c) for c in splits] == [False, True, False, True]

@@ -160,20 +160,15 @@ SCENARIOS = {
     # device_round clock: kda_fwd_clock --one-cta (the phase stamps at one CTA per SM) and --diag no_qg_kgt
     "diag_clock_one_cta": ("split", {"intra_tc.DIAG": ("clock", "one_cta")}),
     "diag_clock_no_qg_kgt": ("split", {"intra_tc.DIAG": ("clock", "no_qg_kgt")}),
-    # device_round persistent: the persistent stage 1 in the check cases, the GPU test's and the split rows
-    "persistent_checks": ("tc", {"intra_tc.PERSISTENT": True}),
-    "persistent_split": ("split", {"intra_tc.PERSISTENT": True}),
     # device_round gate_factors / subst: the default stage 1 with the pre-session-21 factors (2^Γ by exp2) or
     # substitution (left-looking), in checks and splits (the first mode of each list is the default)
     **{f"gate_{m}_{w}": (what, {"intra_tc.GATE_FACTORS": m}) for m in _GATE_FACTOR_MODES[1:]
        for w, what in (("checks", "tc"), ("split", "split"))},
     **{f"subst_{m}_{w}": (what, {"intra_tc.SUBST": m}) for m in _SUBST_MODES[1:]
        for w, what in (("checks", "tc"), ("split", "split"))},
-    # device_round block32: 32-row reference-factor blocks (bounds >= BLOCK32_MIN_LOWER_BOUND) in checks and splits
-    **{f"block32_{w}": (what, {"intra_tc.FACTOR_BLOCK": 32})
-       for w, what in (("checks", "tc"), ("split", "split"))},
+    # device_round block32: 32-row reference-factor blocks (the default where the bound takes them) with 2^Γ by exp2
     "block32_direct_split": ("split", {"intra_tc.FACTOR_BLOCK": 32, "intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1]}),
-    # device_round block16: the 16-row blocks (the default before session 24) in the split rows
+    # device_round block32 / loggate32: the 16-row blocks (the default before session 24) in the split rows
     "block16_split": ("split", {"intra_tc.FACTOR_BLOCK": 16}),
     # device_round loggate32: the log-space-gate checks with 32-row blocks
     "loggate32_checks": ("tc", {"intra_tc.LOG_GATE_BLOCK32": True}),

@@ -12,24 +12,15 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . >"$OUT/install.log" 2>&1 \
     || { echo "== install failed"; tail -5 "$OUT/install.log"; }
 steps=${*:-decode bench_gpu kda_check packed}
-# "next" / "next2": the next session's first and second calls (docs/DEVICE.md), chosen by the card that came, so
-# that no call is spent on a guard (ten minutes a call hold about one line each): on an H200 the suites to publish
-# (CULA_GIT_SHA set) and one_cta, then block32 and clock; on another card one_cta and block32, then clock and
-# persistent (on an H200, persistent in a third call)
-h200=0
-if [[ " $steps " == *" next "* || " $steps " == *" next2 "* ]]; then
-    nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && h200=1
-fi
+# "next" / "next2": the next session's first and second calls (docs/DEVICE.md): the log-space-gate checks with
+# 32-row blocks and the three suites to publish (CULA_GIT_SHA set), then block32 (16- against 32-row blocks) and
+# clock, on whichever card came (session 24 measured block32 and clock on an H100 only)
 if [[ " $steps " == *" next "* ]]; then
-    plan="one_cta block32"
-    [ $h200 = 1 ] && plan="kda_suite kda_layer_suite train_suite one_cta"
-    steps=$(echo " $steps " | sed "s/ next / $plan /" | xargs)
+    steps=$(echo " $steps " | sed "s/ next / loggate32 kda_suite train_suite kda_layer_suite /" | xargs)
     echo "== next: $steps"
 fi
 if [[ " $steps " == *" next2 "* ]]; then
-    plan="clock persistent"
-    [ $h200 = 1 ] && plan="block32 clock"
-    steps=$(echo " $steps " | sed "s/ next2 / $plan /" | xargs)
+    steps=$(echo " $steps " | sed "s/ next2 / block32 clock /" | xargs)
     echo "== next2: $steps"
 fi
 start=$SECONDS
@@ -69,7 +60,6 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         left) envs="CULA_KDA_TC_SUBST=left" ;;
         one_cta) envs="CULA_KDA_TC_DIAG=one_cta" ;;
         clock) envs="CULA_KDA_TC_DIAG=clock" ;;
-        persistent) envs="CULA_KDA_TC_PERSISTENT=1" ;;
         block32) envs="CULA_KDA_TC_FACTOR_BLOCK=32" ;;
         block32_direct) envs="CULA_KDA_TC_FACTOR_BLOCK=32 CULA_KDA_TC_GATE_FACTORS=direct" ;;
         block16) envs="CULA_KDA_TC_FACTOR_BLOCK=16" ;;
@@ -276,12 +266,6 @@ for s in $steps; do
         step loggate32_check 150 env CULA_KDA_TC_LOGGATE_BLOCK32=1 python3 -u -m cula.kernels.sm90.kda_fwd --check \
             --no-bench --cases tc-loggate-safe-varlen,tc-loggate-safe-floor
         mode_splits block16_split default block16 ;;
-    persistent)  # session 24: persistent stage 1 (CULA_KDA_TC_PERSISTENT, CPU-compiled only): bitwise against the
-        # default on two large cases (several items per CTA) and two small ones, eager and in a CUDA graph; then
-        # default / persistent splits twice (<= 300 s with AOT)
-        step persistent_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
-            -k persistent_stage1
-        mode_splits persistent_split default persistent default persistent ;;
     clock)  # session 24: stage 1's phases by the SM's cycle counter (kda_fwd_clock) at B2 T16384, two CTAs per SM
         # and one; the clock build against the default (what the stamps cost); uniform n20 T4096; without the qg /
         # kgᵀ stores (which phases their 10.6% comes out of) (~180 s with AOT)
@@ -293,14 +277,14 @@ for s in $steps; do
     one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, "Where
         # the time goes and what is next"), twice in turn (<= 120 s; AOT scenario diag_one_cta)
         mode_splits one_cta_split default one_cta default one_cta ;;
-    block32)  # session 23: 32-row reference-factor blocks (CULA_KDA_TC_FACTOR_BLOCK=32, CPU-compiled only): the
-        # tensor-core checks whose bound takes them (>= -5.366; lb11 and the softplus floor keep 16-row blocks),
-        # gates saturated at -5 and -5.36 among them, then default / block32 / block32_direct splits twice
-        # (<= 350 s; AOT scenarios block32_checks, block32_split, block32_direct_split)
-        step block32_check 200 env CULA_KDA_TC_FACTOR_BLOCK=32 python3 -u -m cula.kernels.sm90.kda_fwd --check \
+    block32)  # sessions 23-24: 32-row reference-factor blocks (the default since session 24 where the bound takes
+        # them, >= -5.366; lb11 and the softplus floor keep 16-row blocks): the tensor-core checks, gates saturated
+        # at -5 and -5.36 among them, then block16 / default / block32_direct splits twice (<= 350 s; AOT scenarios
+        # block32_checks, block16_split, block32_direct_split)
+        step block32_check 200 python3 -u -m cula.kernels.sm90.kda_fwd --check \
             --no-bench --cases tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-varlen-33,tc-lb5-strong,\
 tc-lb536-strong,tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
-        mode_splits block32_split default block32 block32_direct default block32 block32_direct ;;
+        mode_splits block32_split block16 default block32_direct block16 default block32_direct ;;
     s21_check)  # the first half of s21_defaults alone (an H200 call: the checks, then the suites)
         s21_check ;;
     s21_splits)  # the second half

@@ -640,8 +640,6 @@ def kda_fwd(
             tc_flags.update(gate_factors=intra_tc.GATE_FACTORS)
         if intra_tc.SUBST != intra_tc.SUBST_MODES[0]:
             tc_flags.update(subst=intra_tc.SUBST)
-        if intra_tc.PERSISTENT:  # only set, so the keys of the other calls stay as before
-            tc_flags.update(persistent=intra_tc.CTAS_PER_SM * sm_count(dev))
         block = factor_block(lb, softplus_tc, log_tc)
         if block != intra_tc.FACTOR_BLOCKS[0]:
             tc_flags.update(factor_block=block)

@@ -118,13 +118,6 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: 2.29x -> 2.39x). Session 6's TMA bulk prefetch of the same rows was 1-12% slower (the per-thread form
 #: also won over the bulk one in stage 2, session 8). ``CULA_KDA_TC_PREFETCH`` sets it for A/B runs.
 PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
-#: Persistent stage 1 (session 24, opt-in, not yet run on a GPU): CTAS_PER_SM CTAs per SM (``persistent``: their
-#: number, from the host's SM count) walk the (chunk, head) items in launch order, CTA b taking items b, b + grid,
-#: ...; each CTA asks L2 for its own next item's rows (the prefetch distance is the grid, not PREFETCH_AHEAD: the
-#: item 66 places later is another CTA's, in flight). What it can save: the gap between one CTA's end and the next
-#: one's start on an SM, and the next CTA's prologue (the clock diagnostic measures the gap).
-#: ``CULA_KDA_TC_PERSISTENT=1``.
-PERSISTENT = __import__("os").environ.get("CULA_KDA_TC_PERSISTENT", "0") == "1"
 #: How phase 2 forms its reference factors per element (kda_fwd_log.md, sessions 20-21): "halves" (the default since
 #: session 21) 2^(Γ−C) and 2^(C−Γ) by exp2, 2^Γ never formed: the products that need it, q·2^Γ and k·2^Γ, are
 #: (q·2^(Γ−C))·2^(C/2)·2^(C/2) from the q·2^(Γ−C) already formed (136 MUFU per thread, no drift; the halves keep
@@ -210,7 +203,6 @@ class KdaFwdIntraTC:
         gate_factors: str = GATE_FACTOR_MODES[0],
         subst: str = SUBST_MODES[0],
         factor_block: int = FACTOR_BLOCKS[0],
-        persistent: int = 0,
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -237,7 +229,6 @@ class KdaFwdIntraTC:
         # no v loads, prefetches or tile and no u product or store: t_out, or the diagnostic that times it
         self.skip_vu = t_out or "no_v_u" in self.diag
         self.clock = "clock" in self.diag  # phase timestamps (CLOCK_STAMPS), the outputs unchanged
-        self.persistent = persistent  # PERSISTENT: the persistent grid's CTAs (CTAS_PER_SM per SM), 0 = one per item
         self.inv_wgmma = inv_wgmma
         if gate_factors not in GATE_FACTOR_MODES:
             raise ValueError(f"gate_factors (CULA_KDA_TC_GATE_FACTORS): expected one of {GATE_FACTOR_MODES}, "
@@ -328,9 +319,6 @@ class KdaFwdIntraTC:
 
         SharedStorage = self.storage_class()
         self.shared_storage = SharedStorage
-        grid = [NC, HV, 1]
-        if cutlass.const_expr(self.persistent):
-            grid = [cutlass.min(NC * HV, self.persistent), 1, 1]
         self.kernel(
             pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam,
             tma_w, tW, tma_u, tU, tma_aqk, tAqk,
@@ -338,7 +326,7 @@ class KdaFwdIntraTC:
             self.a_layout, self.kt_layout, kb_layouts[0], kb_layouts[1], kb_layouts[2], self.x_layout,
             self.tb_layout, self.w_layout, self.aqk_layout,
             num_heads, HV, NC, scale, lower_bound,
-        ).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
+        ).launch(grid=[NC, HV, 1], block=[THREADS, 1, 1], stream=stream,
                  smem=self.launch_smem(SharedStorage.size_in_bytes()), min_blocks_per_mp=CTAS_PER_SM)
 
     def launch_smem(self, storage_bytes: int) -> int:
@@ -402,35 +390,15 @@ class KdaFwdIntraTC:
         if cutlass.const_expr(self.pdl_trigger == "start"):
             cute.arch.griddepcontrol_launch_dependents()
         # The sync-free varlen tables end in dummy chunks (nvalid = 0) that nobody reads: leave at once.
-        if cutlass.const_expr(self.persistent):
-            # items in launch order (chunk fastest, then head), CTA b taking b, b + grid, ...; the prefetch asks
-            # L2 for this CTA's next item
-            bid, _, _ = cute.arch.block_idx()
-            n_ctas, _, _ = cute.arch.grid_dim()
-            for item in cutlass.range(bid, NC * HV, n_ctas, unroll=1):
-                hv = item // NC
-                chunk = item - hv * NC
-                chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
-                if chunks[chunk, 1] > 0:
-                    self.chunk_body(
-                        pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW,
-                        tma_u, tU, tma_aqk, tAqk, mma_diag, mma_off1, mma_off2, mma_off3, mma_wu, a_layout,
-                        kt_layout, kb1_layout, kb2_layout, kb3_layout, x_layout, tb_layout, w_layout, aqk_layout, H,
-                        HV, NC, scale, lower_bound, chunk, hv, n_ctas,
-                    )
-                    # thread 0 waited for the TMA stores' reads of shared memory at the chunk's end: no thread
-                    # writes it for the next item before that
-                    cute.arch.sync_threads()
-        else:
-            chunk, _, _ = cute.arch.block_idx()
-            chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
-            if chunks[chunk, 1] > 0:  # (chunk_body reads the block index itself: the PTX as before)
-                self.chunk_body(
-                    pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW,
-                    tma_u, tU, tma_aqk, tAqk, mma_diag, mma_off1, mma_off2, mma_off3, mma_wu, a_layout, kt_layout,
-                    kb1_layout, kb2_layout, kb3_layout, x_layout, tb_layout, w_layout, aqk_layout, H, HV, NC, scale,
-                    lower_bound, None, None, self.prefetch_ahead,
-                )
+        chunk, _, _ = cute.arch.block_idx()
+        chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
+        if chunks[chunk, 1] > 0:
+            self.chunk_body(
+                pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW,
+                tma_u, tU, tma_aqk, tAqk, mma_diag, mma_off1, mma_off2, mma_off3, mma_wu, a_layout, kt_layout,
+                kb1_layout, kb2_layout, kb3_layout, x_layout, tb_layout, w_layout, aqk_layout, H, HV, NC, scale,
+                lower_bound,
+            )
         if cutlass.const_expr(self.pdl_trigger == "end"):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -443,11 +411,11 @@ class KdaFwdIntraTC:
 
     @cute.jit
     def prefetch_later_chunk(self, pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pG: cute.Pointer,
-                             pChunks: cute.Pointer, tidx, chunk, hv, H, HV, NC, distance):
-        """Ask L2 for the q, k, v, g rows of the item ``distance`` places later in launch order (chunk fastest,
-        then head). Thread t takes row t % 64: q and k for t < 64, v and g otherwise, every 128-byte line of
-        each row."""
-        nxt = hv * NC + chunk + distance
+                             pChunks: cute.Pointer, tidx, chunk, hv, H, HV, NC):
+        """Ask L2 for the q, k, v, g rows of the CTA ``prefetch_ahead`` places later in launch order
+        (chunk fastest, then head). Thread t takes row t % 64: q and k for t < 64, v and g otherwise,
+        every 128-byte line of each row."""
+        nxt = hv * NC + chunk + self.prefetch_ahead
         if nxt < HV * NC:
             hv_n = nxt // NC
             c_n = nxt - hv_n * NC
@@ -573,21 +541,14 @@ class KdaFwdIntraTC:
         NC: cutlass.Int32,
         scale: cutlass.Float32,
         lower_bound: cutlass.Float32,
-        chunk,
-        hv,
-        prefetch_distance,
     ):
-        """One (chunk, value head), the block's own when ``chunk`` and ``hv`` are None; ``prefetch_distance``
-        items later in launch order is whose rows the L2 prefetch asks for (PREFETCH_AHEAD, or the persistent
-        grid: this CTA's next item)."""
         tidx, _, _ = cute.arch.thread_idx()
         ts = None  # the clock diagnostic's stamps (thread 0's registers)
         if cutlass.const_expr(self.clock):
             ts = cute.make_rmem_tensor(cute.make_layout(CLOCK_SLOTS), cutlass.Int64)
             ts.fill(0)
         self.stamp(ts, "entry", tidx)
-        if cutlass.const_expr(chunk is None):
-            chunk, hv, _ = cute.arch.block_idx()
+        chunk, hv, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
         grp = tidx // 16  # row group: rows rpt grp .. + rpt - 1 (block grp // 2 = warp)
@@ -675,7 +636,7 @@ class KdaFwdIntraTC:
                 raw_v[rr, None].store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load())
             raw_g[rr, None].store(_vec(pG, (tok * HV + hv) * DK + d0, COLS_PER_THREAD).load())
         if cutlass.const_expr(self.prefetch_ahead > 0):
-            self.prefetch_later_chunk(pQ, pK, pV, pG, pChunks, tidx, chunk, hv, H, HV, NC, prefetch_distance)
+            self.prefetch_later_chunk(pQ, pK, pV, pG, pChunks, tidx, chunk, hv, H, HV, NC)
         if tidx < CHUNK:
             keep_b = F32(1.0)
             if tidx >= nvalid:
@@ -1442,8 +1403,6 @@ def compile_targets():
         "t_out_block32_direct": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, gate_factors="direct"),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
-        # persistent CTAs walking the items (PERSISTENT)
-        "t_out_persistent": build(cutlass.BFloat16, **full, t_out=True, persistent=CTAS_PER_SM * 132),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
         "log_gate": build(cutlass.Float32, **{**full, "has_a_log": False, "has_dt_bias": False}, log_gate=True),
     }
