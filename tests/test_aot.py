@@ -71,6 +71,10 @@ def test_scenarios_record_the_device_steps_launches():
         keys = [dict(k_[0]) for k, k_, _, _ in aot.record_launches(scenario) if k == "intra_tc"]
         assert any(k_.get("factor_block") == 32 for k_ in keys)
         assert all(k_.get("factor_block", 16) == 16 for k_ in keys if k_.get("softplus_gate"))
+    # fused_premise's modules: the diagnostics in the order device_round's environment gives them
+    for scenario, diag in (("diag_no_stores", aot.NO_STORES), ("diag_one_cta_no_stores", ("one_cta", *aot.NO_STORES))):
+        keys = [dict(k_[0]) for k, k_, _, _ in aot.record_launches(scenario) if k == "intra_tc"]
+        assert keys and all(k_["diag"] == diag for k_ in keys)
     keys = [dict(k_[0]) for k, k_, _, _ in aot.record_launches("block16_split") if k == "intra_tc"]
     assert keys and all(k_.get("factor_block", 16) == 16 for k_ in keys)
     assert intra_tc.FACTOR_BLOCK == 32  # the default, restored after the scenarios

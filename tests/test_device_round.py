@@ -53,7 +53,7 @@ def test_next_checks_log_gates_then_publishes(tmp_path, gpu):
 @pytest.mark.parametrize("gpu", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
 def test_next2_is_the_second_call(tmp_path, gpu):
     cmds = dry_run(tmp_path, gpu, "next2")
-    expected = [c for i, step in enumerate(("block32", "clock")) for c in dry_run(tmp_path / str(i), gpu, step)]
+    expected = [c for i, step in enumerate(("fused_premise", "block32")) for c in dry_run(tmp_path / str(i), gpu, step)]
     assert cmds == expected and cmds
 
 
@@ -80,3 +80,12 @@ def test_block32_checks_name_real_cases_then_splits(tmp_path):
     assert [("CULA_KDA_TC_GATE_FACTORS=direct" in c) for c in splits] == [False, False, True] * 2
 
 
+
+
+def test_fused_premise_splits_stores_off_at_one_and_two_ctas(tmp_path):
+    from cula.kernels.common.aot import NO_STORES
+
+    cmds = dry_run(tmp_path, "NVIDIA H200", "fused_premise")
+    assert len(cmds) == 8 and all("--split worst" in c for c in cmds)
+    diags = [c.split("CULA_KDA_TC_DIAG=")[1].split()[0].split(",") if "CULA_KDA_TC_DIAG=" in c else [] for c in cmds]
+    assert diags == [[], ["one_cta"], list(NO_STORES), ["one_cta", *NO_STORES]] * 2

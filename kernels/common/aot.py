@@ -33,6 +33,10 @@ from typing import Any
 #: one list with stage 1's (importing the kernel module costs nothing extra: kda_fwd imports it anyway)
 from cula.kernels.sm90.kda_fwd_intra_tc import GATE_FACTOR_MODES as _GATE_FACTOR_MODES
 from cula.kernels.sm90.kda_fwd_intra_tc import SAME_VALUE_DIAGS as _SAME_VALUE_DIAGS
+
+#: the diagnostics that drop every scratch store of stage 1 (qg / kgᵀ, w, Aqk | T'): what a fused kernel, whose
+#: stage 1 hands them to the recurrence in shared memory, would not write (device_round fused_premise)
+NO_STORES = ("no_qg_kgt", "no_wu_store", "no_aqk_store")
 from cula.kernels.sm90.kda_fwd_intra_tc import SUBST_MODES as _SUBST_MODES
 
 AOT_ENV = "CULA_AOT_DIR"
@@ -160,6 +164,9 @@ SCENARIOS = {
     # device_round clock: kda_fwd_clock --one-cta (the phase stamps at one CTA per SM) and --diag no_qg_kgt
     "diag_clock_one_cta": ("split", {"intra_tc.DIAG": ("clock", "one_cta")}),
     "diag_clock_no_qg_kgt": ("split", {"intra_tc.DIAG": ("clock", "no_qg_kgt")}),
+    # device_round fused_premise: the split rows without any scratch store, at two CTAs per SM and at one
+    "diag_no_stores": ("split", {"intra_tc.DIAG": NO_STORES}),
+    "diag_one_cta_no_stores": ("split", {"intra_tc.DIAG": ("one_cta", *NO_STORES)}),
     # device_round gate_factors / subst: the default stage 1 with the pre-session-21 factors (2^Γ by exp2) or
     # substitution (left-looking), in checks and splits (the first mode of each list is the default)
     **{f"gate_{m}_{w}": (what, {"intra_tc.GATE_FACTORS": m}) for m in _GATE_FACTOR_MODES[1:]

@@ -13,14 +13,14 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . >"$OU
     || { echo "== install failed"; tail -5 "$OUT/install.log"; }
 steps=${*:-decode bench_gpu kda_check packed}
 # "next" / "next2": the next session's first and second calls (docs/DEVICE.md): the log-space-gate checks with
-# 32-row blocks and the three suites to publish (CULA_GIT_SHA set), then block32 (16- against 32-row blocks) and
-# clock, on whichever card came (session 24 measured block32 and clock on an H100 only)
+# 32-row blocks and the three suites to publish (CULA_GIT_SHA set), then fused_premise and block32 (16- against
+# 32-row blocks), on whichever card came (session 24 measured block32 on an H100 only)
 if [[ " $steps " == *" next "* ]]; then
     steps=$(echo " $steps " | sed "s/ next / loggate32 kda_suite train_suite kda_layer_suite /" | xargs)
     echo "== next: $steps"
 fi
 if [[ " $steps " == *" next2 "* ]]; then
-    steps=$(echo " $steps " | sed "s/ next2 / block32 clock /" | xargs)
+    steps=$(echo " $steps " | sed "s/ next2 / fused_premise block32 /" | xargs)
     echo "== next2: $steps"
 fi
 start=$SECONDS
@@ -63,6 +63,8 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         block32) envs="CULA_KDA_TC_FACTOR_BLOCK=32" ;;
         block32_direct) envs="CULA_KDA_TC_FACTOR_BLOCK=32 CULA_KDA_TC_GATE_FACTORS=direct" ;;
         block16) envs="CULA_KDA_TC_FACTOR_BLOCK=16" ;;
+        no_stores) envs="CULA_KDA_TC_DIAG=no_qg_kgt,no_wu_store,no_aqk_store" ;;
+        one_cta_no_stores) envs="CULA_KDA_TC_DIAG=one_cta,no_qg_kgt,no_wu_store,no_aqk_store" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
@@ -274,6 +276,10 @@ for s in $steps; do
         mode_splits clock_split default clock
         step clock_n20 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --T 4096 --dist uniform --n 20
         step clock_no_qg_kgt 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384 --diag no_qg_kgt ;;
+    fused_premise)  # session 25: stage 1 without its scratch stores (qg / kgT, w, Aqk | T'), at two CTAs per SM and
+        # at one, against the default and one_cta, twice in turn (<= 200 s; AOT diag_one_cta, diag_no_stores,
+        # diag_one_cta_no_stores): one CTA per SM without stores is a fused kernel's stage 1 beside its recurrence
+        mode_splits fused_split default one_cta no_stores one_cta_no_stores default one_cta no_stores one_cta_no_stores ;;
     one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, "Where
         # the time goes and what is next"), twice in turn (<= 120 s; AOT scenario diag_one_cta)
         mode_splits one_cta_split default one_cta default one_cta ;;
