@@ -431,10 +431,11 @@ def test_factor_block_is_chosen_by_the_bound(monkeypatch):
     assert kda_fwd.factor_block(tc.BLOCK32_MIN_LOWER_BOUND, False) == 32
     assert kda_fwd.factor_block(-5.4, False) == 16 and kda_fwd.factor_block(-11.0, False) == 16
     assert kda_fwd.factor_block(tc.SOFTPLUS_FLOOR, True) == 16
-    # precomputed log-space gates only once their checks have passed with 32-row blocks
-    assert kda_fwd.factor_block(-5.0, False, log_gate=True) == (32 if tc.LOG_GATE_BLOCK32 else 16)
-    monkeypatch.setattr(tc, "LOG_GATE_BLOCK32", True)
-    assert kda_fwd.factor_block(-5.0, False, log_gate=True) == 32
+    # precomputed log-space gates take them (their checks passed in session 25) unless LOG_GATE_BLOCK32 is off
+    assert tc.LOG_GATE_BLOCK32 and kda_fwd.factor_block(-5.0, False, log_gate=True) == 32
+    assert kda_fwd.factor_block(-11.0, False, log_gate=True) == 16
+    monkeypatch.setattr(tc, "LOG_GATE_BLOCK32", False)
+    assert kda_fwd.factor_block(-5.0, False, log_gate=True) == 16
 
 
 @pytest.mark.parametrize("value", ["24", "abc"])

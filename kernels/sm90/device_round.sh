@@ -12,11 +12,11 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . >"$OUT/install.log" 2>&1 \
     || { echo "== install failed"; tail -5 "$OUT/install.log"; }
 steps=${*:-decode bench_gpu kda_check packed}
-# "next" / "next2": the next session's first and second calls (docs/DEVICE.md): the log-space-gate checks with
-# 32-row blocks and the three suites to publish (CULA_GIT_SHA set), then fused_premise and block32 (16- against
-# 32-row blocks), on whichever card came (session 24 measured block32 on an H100 only)
+# "next" / "next2": the next session's first and second calls (docs/DEVICE.md): the three suites to publish
+# (CULA_GIT_SHA set; session 25 published kda and kda_layer on an H100 only), then fused_premise and block32 (16-
+# against 32-row blocks), on whichever card came (session 25 ran fused_premise once, on an H100)
 if [[ " $steps " == *" next "* ]]; then
-    steps=$(echo " $steps " | sed "s/ next / loggate32 kda_suite train_suite kda_layer_suite /" | xargs)
+    steps=$(echo " $steps " | sed "s/ next / kda_suite train_suite kda_layer_suite /" | xargs)
     echo "== next: $steps"
 fi
 if [[ " $steps " == *" next2 "* ]]; then
@@ -263,8 +263,8 @@ for s in $steps; do
         step s22_direct_check 200 env CULA_KDA_TC_GATE_FACTORS=direct python3 -u -m cula.kernels.sm90.kda_fwd \
             --check --no-bench --cases tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
         mode_splits s22_split default direct default direct ;;
-    loggate32)  # session 24: the log-space-gate checks with 32-row blocks (the default now; block32's ninth check
-        # did not fit its step), then the split rows with 16-row blocks against the default
+    loggate32)  # sessions 24-25: the log-space-gate checks with 32-row blocks (passed on an H100 in session 25, the
+        # default since), then the split rows with 16-row blocks against the default
         step loggate32_check 150 env CULA_KDA_TC_LOGGATE_BLOCK32=1 python3 -u -m cula.kernels.sm90.kda_fwd --check \
             --no-bench --cases tc-loggate-safe-varlen,tc-loggate-safe-floor
         mode_splits block16_split default block16 ;;

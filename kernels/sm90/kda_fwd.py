@@ -785,8 +785,8 @@ def _side_stream(dev: torch.device) -> "torch.cuda.Stream":
 def factor_block(lower_bound: float, softplus_gate: bool, log_gate: bool = False) -> int:
     """Rows per reference-factor block of the tensor-core stage 1 for the bound its kernel is given: the
     ``CULA_KDA_TC_FACTOR_BLOCK`` choice (32 unless set) where the bound allows it (32 needs ``lower_bound >=
-    BLOCK32_MIN_LOWER_BOUND``; the softplus gate's floor never does) and, for precomputed log-space gates, once
-    validated (``LOG_GATE_BLOCK32``); 16 otherwise."""
+    BLOCK32_MIN_LOWER_BOUND``; the softplus gate's floor never does), precomputed log-space gates included
+    unless ``LOG_GATE_BLOCK32`` is off; 16 otherwise."""
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
     block = intra_tc.FACTOR_BLOCK

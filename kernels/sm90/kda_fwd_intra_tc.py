@@ -85,10 +85,10 @@ _FACTOR_BLOCK_ENV = __import__("os").environ.get("CULA_KDA_TC_FACTOR_BLOCK", str
 if _FACTOR_BLOCK_ENV not in [str(b) for b in FACTOR_BLOCKS]:
     raise ValueError(f"CULA_KDA_TC_FACTOR_BLOCK: expected one of {FACTOR_BLOCKS}, got {_FACTOR_BLOCK_ENV!r}")
 FACTOR_BLOCK = int(_FACTOR_BLOCK_ENV)
-#: ...except for precomputed log-space gates (``log_gate``) until their checks pass with 32-row blocks (block32's
-#: ninth check, tc-loggate-safe-varlen, did not run in session 24): ``CULA_KDA_TC_LOGGATE_BLOCK32=1`` lets them
-#: take them (device_round loggate32)
-LOG_GATE_BLOCK32 = __import__("os").environ.get("CULA_KDA_TC_LOGGATE_BLOCK32", "0") == "1"
+#: Precomputed log-space gates (``log_gate``) take them too since session 25 (device_round loggate32 on an H100:
+#: tc-loggate-safe-varlen PASS, o 4.08e-3 against the fp64 reference where FLA's is 4.35e-3; tc-loggate-safe-floor
+#: PASS, its floor keeping 16-row blocks); ``CULA_KDA_TC_LOGGATE_BLOCK32=0`` keeps them at 16 rows
+LOG_GATE_BLOCK32 = __import__("os").environ.get("CULA_KDA_TC_LOGGATE_BLOCK32", "1") == "1"
 RCP_LN2 = 1.0 / math.log(2.0)
 L2NORM_EPS = 1e-6
 #: The gate bound this kernel takes: the diagonal factors reach 2^(7.5 |lb| / ln 2) = 2^119 at lb = -11
