@@ -33,11 +33,11 @@ from typing import Any
 #: one list with stage 1's (importing the kernel module costs nothing extra: kda_fwd imports it anyway)
 from cula.kernels.sm90.kda_fwd_intra_tc import GATE_FACTOR_MODES as _GATE_FACTOR_MODES
 from cula.kernels.sm90.kda_fwd_intra_tc import SAME_VALUE_DIAGS as _SAME_VALUE_DIAGS
+from cula.kernels.sm90.kda_fwd_intra_tc import SUBST_MODES as _SUBST_MODES
 
 #: the diagnostics that drop every scratch store of stage 1 (qg / kgᵀ, w, Aqk | T'): what a fused kernel, whose
 #: stage 1 hands them to the recurrence in shared memory, would not write (device_round fused_premise)
 NO_STORES = ("no_qg_kgt", "no_wu_store", "no_aqk_store")
-from cula.kernels.sm90.kda_fwd_intra_tc import SUBST_MODES as _SUBST_MODES
 
 AOT_ENV = "CULA_AOT_DIR"
 HOST_ARCH_ENV = "sm_90"  # the environment's arch while compiling: differs from GPU_ARCH, so no host JIT
@@ -177,7 +177,8 @@ SCENARIOS = {
     "block32_direct_split": ("split", {"intra_tc.FACTOR_BLOCK": 32, "intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1]}),
     # device_round block32 / loggate32: the 16-row blocks (the default before session 24) in the split rows
     "block16_split": ("split", {"intra_tc.FACTOR_BLOCK": 16}),
-    # device_round loggate32: the log-space-gate checks with 32-row blocks
+    # device_round loggate32: the log-space-gate checks with 32-row blocks (the default since session 25: the same
+    # modules as "checks", kept for the step's explicit setting)
     "loggate32_checks": ("tc", {"intra_tc.LOG_GATE_BLOCK32": True}),
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
