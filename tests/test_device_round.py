@@ -79,8 +79,6 @@ def test_block32_checks_name_real_cases_then_splits(tmp_path):
     assert [("CULA_KDA_TC_GATE_FACTORS=direct" in c) for c in splits] == [False, False, True] * 2
 
 
-
-
 def test_fused_premise_splits_stores_off_at_one_and_two_ctas(tmp_path):
     from cula.kernels.common.aot import NO_STORES
 

@@ -177,9 +177,6 @@ SCENARIOS = {
     "block32_direct_split": ("split", {"intra_tc.FACTOR_BLOCK": 32, "intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1]}),
     # device_round block32 / loggate32: the 16-row blocks (the default before session 24) in the split rows
     "block16_split": ("split", {"intra_tc.FACTOR_BLOCK": 16}),
-    # device_round loggate32: the log-space-gate checks with 32-row blocks (the default since session 25: the same
-    # modules as "checks", kept for the step's explicit setting)
-    "loggate32_checks": ("tc", {"intra_tc.LOG_GATE_BLOCK32": True}),
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 

@@ -265,7 +265,7 @@ for s in $steps; do
         mode_splits s22_split default direct default direct ;;
     loggate32)  # sessions 24-25: the log-space-gate checks with 32-row blocks (passed on an H100 in session 25, the
         # default since), then the split rows with 16-row blocks against the default
-        step loggate32_check 150 env CULA_KDA_TC_LOGGATE_BLOCK32=1 python3 -u -m cula.kernels.sm90.kda_fwd --check \
+        step loggate32_check 150 python3 -u -m cula.kernels.sm90.kda_fwd --check \
             --no-bench --cases tc-loggate-safe-varlen,tc-loggate-safe-floor
         mode_splits block16_split default block16 ;;
     clock)  # session 24: stage 1's phases by the SM's cycle counter (kda_fwd_clock) at B2 T16384, two CTAs per SM
@@ -279,14 +279,15 @@ for s in $steps; do
     fused_premise)  # session 25: stage 1 without its scratch stores (qg / kgT, w, Aqk | T'), at two CTAs per SM and
         # at one, against the default and one_cta, twice in turn (<= 200 s; AOT diag_one_cta, diag_no_stores,
         # diag_one_cta_no_stores): one CTA per SM without stores is a fused kernel's stage 1 beside its recurrence
-        mode_splits fused_split default one_cta no_stores one_cta_no_stores default one_cta no_stores one_cta_no_stores ;;
+        mode_splits fused_split default one_cta no_stores one_cta_no_stores \
+            default one_cta no_stores one_cta_no_stores ;;
     one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, "Where
         # the time goes and what is next"), twice in turn (<= 120 s; AOT scenario diag_one_cta)
         mode_splits one_cta_split default one_cta default one_cta ;;
     block32)  # sessions 23-24: 32-row reference-factor blocks (the default since session 24 where the bound takes
         # them, >= -5.366; lb11 and the softplus floor keep 16-row blocks): the tensor-core checks, gates saturated
         # at -5 and -5.36 among them, then block16 / default / block32_direct splits twice (<= 350 s; AOT scenarios
-        # block32_checks, block16_split, block32_direct_split)
+        # checks, block16_split, block32_direct_split)
         step block32_check 200 python3 -u -m cula.kernels.sm90.kda_fwd --check \
             --no-bench --cases tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-varlen-33,tc-lb5-strong,\
 tc-lb536-strong,tc-fp32-gate-plainbeta,tc-loggate-safe-varlen

@@ -130,9 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     clocks, chunks = kda_fwd.LAST_CLOCKS
     real = (chunks[:, 1] > 0).cpu().numpy()
     stamps = clocks.cpu().numpy()[:, real, :].reshape(-1, clocks.shape[-1])
-    B = 1 if a.dist else a.B
-    label = (f"B{B} T{a.T} H{a.H}" + (f" {a.dist} n{a.n}" if a.dist else "") + (", one CTA per SM" if a.one_cta else "")
-             + (f", {a.diag}" if a.diag else ""))
+    label = (f"B{args[0].shape[0]} T{a.T} H{a.H}" + (f" {a.dist} n{a.n}" if a.dist else "")
+             + (", one CTA per SM" if a.one_cta else "") + (f", {a.diag}" if a.diag else ""))
     print(report(stamps, stamps[:, -1], label), flush=True)
 
 

@@ -53,5 +53,6 @@ def main() -> None:
         kda_fwd(*args, **kw, stages=stages)
     torch.cuda.synchronize()
 
+
 if __name__ == "__main__":
     main()
