@@ -86,3 +86,17 @@ def test_fused_premise_splits_stores_off_at_one_and_two_ctas(tmp_path):
     assert len(cmds) == 8 and all("--split worst" in c for c in cmds)
     diags = [c.split("CULA_KDA_TC_DIAG=")[1].split()[0].split(",") if "CULA_KDA_TC_DIAG=" in c else [] for c in cmds]
     assert diags == [[], ["one_cta"], list(NO_STORES), ["one_cta", *NO_STORES]] * 2
+
+
+def test_phase1_checks_every_gate_form_then_splits_against_pre26(tmp_path):
+    from cula.kernels.sm90.kda_fwd_check import CASES
+
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "phase1")
+    check = cmds[0]
+    assert "CULA_KDA_TC_PHASE1" not in check and "--no-bench" in check  # the lean phase 1 is the default
+    names = check.split("--cases ")[1].split()[0].split(",")
+    assert set(names) <= {c[0] for c in CASES} and len(names) == 9
+    assert {"tc-softplus-varlen-zero", "tc-fp32-gate-plainbeta", "tc-loggate-safe-varlen"} <= set(names)
+    splits = cmds[1:]
+    assert len(splits) == 4 and all("--split worst" in c for c in splits)
+    assert [("CULA_KDA_TC_PHASE1=pre26" in c) for c in splits] == [False, True] * 2

@@ -124,7 +124,8 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_t_out_diag_all", True), ("intra_tc_t_out_gate_direct", True),
                                                ("intra_tc_t_out_subst_left", True),
                                                ("intra_tc_t_out_direct_left", True),
-                                               ("intra_tc_t_out_block32", True)])
+                                               ("intra_tc_t_out_block32", True),
+                                               ("intra_tc_t_out_block32_pre26", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -188,7 +189,7 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         # pdl_end: after its work, one instruction too)
         assert rep.count("griddepcontrol.launch_dependents") == 1
         # 32-row factor blocks: one m64n32 off-diagonal product per matrix instead of three
-        off = 2 * 1 * 8 if target.endswith("block32") else 2 * 3 * 8
+        off = 2 * 1 * 8 if "block32" in target else 2 * 3 * 8
         assert rep.count("wgmma.mma_async") == 16 + off + 8 + inv - (4 if no_v_u else 0)
         # TMA stores: aqk, w and u (two 64-column boxes); t_out: T' beside Aqk instead of u
         assert rep.count("cp.async.bulk.tensor") == (4 if "t_out" in target else 3 if no_v_u else 5)
@@ -200,7 +201,7 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         # the off-diagonal factor on the B side: 12 vectors of 8 per thread (4 packed bf16 products each)
         # form B'_1..3, and each row block's off-diagonal part is one SS product per A tile of N = 16, 32,
         # 48 (8 k-steps)
-        if target.endswith("block32"):  # the one B factor folds into phase 2 (fp32); one m64n32 product per A tile
+        if "block32" in target:  # the one B factor folds into phase 2 (fp32); one m64n32 product per A tile
             assert rep.count("mul.bf16x2") + rep.count("mul.rn.bf16x2") == 0
             assert [rep.count(f"m64n{n}k16") for n in (16, 32, 48)] == [0, 16, 0]
         else:
@@ -464,6 +465,52 @@ def test_factor_block_32_keeps_the_default_smem_and_fewer_registers():
     with pytest.raises(ValueError, match="CULA_KDA_TC_FACTOR_BLOCK"):
         tc.KdaFwdIntraTC(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
                          allow_neg_eigval=False, group=1, factor_block=24)
+
+
+def test_row_norms_halving_equals_the_butterfly_bitwise():
+    """row_norms' exchange, modelled lane by lane in fp32 as the kernel writes it: after the recursive halving at
+    lane offsets 1, 2, 4, 8, lane bitrev4(m) of a half-warp holds sum m, bit for bit the butterfly's (session 25's
+    phase 1: every lane holds every sum), because both add over the same pairwise tree of lanes."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.sm90.kda_fwd_intra_tc import _bitrev4
+
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.exp2(torch.randint(-20, 21, (16, 16), generator=gen).float())
+    vals = torch.rand(16, 16, generator=gen) * scale  # [lane, sum index]: partial sums over 8 columns each
+    lanes = torch.arange(16)
+    bfly = vals.clone()
+    for s in range(4):
+        bfly = bfly + bfly[lanes ^ (1 << s)]
+    cur = [vals[:, m] for m in range(16)]
+    for s in range(4):
+        half = len(cur) // 2
+        upper = ((lanes >> s) & 1) == 1
+        cur = [torch.where(upper, cur[j + half], cur[j]) + torch.where(upper, cur[j], cur[j + half])[lanes ^ (1 << s)]
+               for j in range(half)]
+    assert sorted(_bitrev4(m) for m in range(16)) == list(range(16))
+    for m in range(16):
+        assert torch.equal(bfly[:, m], bfly[0, m].expand(16))
+        assert torch.equal(cur[0][_bitrev4(m)], bfly[0, m])
+    assert not torch.equal(cur[0], bfly[0])  # the lanes hold different sums: the mapping matters
+
+
+def test_phase1_lean_cuts_shuffles_and_registers():
+    """The lean phase 1 (the default) against session 25's (PHASE1 "pre26"): 15 butterfly and 16 broadcast
+    shuffles instead of 64, one rsqrt per lane instead of 16, no more registers, no spills; the switch is checked
+    by name."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common.ptx_check import ptx_report
+    from cula.kernels.sm90 import kda_fwd_intra_tc as tc
+
+    base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_pre26")
+    lean = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32")
+    assert base.ptx.count("shfl.sync.bfly") == 64 and lean.ptx.count("shfl.sync.bfly") == 15
+    assert lean.ptx.count("shfl.sync.idx") == base.ptx.count("shfl.sync.idx") + 16
+    assert lean.ptx.count("rsqrt.approx") == base.ptx.count("rsqrt.approx") - 15
+    assert lean.spill_bytes == 0 and lean.kernels[0].registers <= base.kernels[0].registers
+    with pytest.raises(ValueError, match="CULA_KDA_TC_PHASE1"):
+        tc.KdaFwdIntraTC(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
+                         allow_neg_eigval=False, group=1, phase1="fast")
 
 
 def test_tc_factor_block_32_overflows_below_its_bound():

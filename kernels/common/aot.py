@@ -177,6 +177,8 @@ SCENARIOS = {
     "block32_direct_split": ("split", {"intra_tc.FACTOR_BLOCK": 32, "intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1]}),
     # device_round block32 / loggate32: the 16-row blocks (the default before session 24) in the split rows
     "block16_split": ("split", {"intra_tc.FACTOR_BLOCK": 16}),
+    # device_round phase1: session 25's phase 1 (butterfly l2 sums, PHASE1) in the split rows
+    "pre26_split": ("split", {"intra_tc.PHASE1": "pre26"}),
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 

@@ -65,6 +65,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         block16) envs="CULA_KDA_TC_FACTOR_BLOCK=16" ;;
         no_stores) envs="CULA_KDA_TC_DIAG=no_qg_kgt,no_wu_store,no_aqk_store" ;;
         one_cta_no_stores) envs="CULA_KDA_TC_DIAG=one_cta,no_qg_kgt,no_wu_store,no_aqk_store" ;;
+        pre26) envs="CULA_KDA_TC_PHASE1=pre26" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
@@ -281,6 +282,13 @@ for s in $steps; do
         # diag_one_cta_no_stores): one CTA per SM without stores is a fused kernel's stage 1 beside its recurrence
         mode_splits fused_split default one_cta no_stores one_cta_no_stores \
             default one_cta no_stores one_cta_no_stores ;;
+    phase1)  # session 26: the lean phase 1 (the default: l2 sums by recursive halving, the gate's exponent as one
+        # FFMA, 16-byte group totals) through the tensor-core checks (each gate form: sigmoid, softplus, fp32 gate,
+        # log-space), then against session 25's phase 1 (pre26), twice in turn (<= 340 s; AOT checks, pre26_split)
+        step phase1_check 260 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases \
+tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-varlen-33,tc-lb5-strong,tc-softplus-varlen-zero,\
+tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
+        mode_splits phase1_split default pre26 default pre26 ;;
     one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, "Where
         # the time goes and what is next"), twice in turn (<= 120 s; AOT scenario diag_one_cta)
         mode_splits one_cta_split default one_cta default one_cta ;;

@@ -640,6 +640,8 @@ def kda_fwd(
             tc_flags.update(gate_factors=intra_tc.GATE_FACTORS)
         if intra_tc.SUBST != intra_tc.SUBST_MODES[0]:
             tc_flags.update(subst=intra_tc.SUBST)
+        if intra_tc.PHASE1 != intra_tc.PHASE1_MODES[0]:
+            tc_flags.update(phase1=intra_tc.PHASE1)
         block = factor_block(lb, softplus_tc, log_tc)
         if block != intra_tc.FACTOR_BLOCKS[0]:
             tc_flags.update(factor_block=block)

@@ -138,6 +138,13 @@ GATE_FACTORS = __import__("os").environ.get("CULA_KDA_TC_GATE_FACTORS", "halves"
 #: 1.3-1.4% on the n20 rows. ``CULA_KDA_TC_SUBST=left`` for A/B.
 SUBST_MODES = ("right", "left")
 SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
+#: Phase 1's form (session 26): "lean" (the default) takes the l2 norms' sums over a half-warp by recursive halving
+#: (31 shuffles and one rsqrt per lane instead of a butterfly's 64 shuffles and 16 rsqrt; the same sums, bitwise),
+#: the lower-bounded gate's exponent as one FFMA and the group totals as 16-byte stores: SASS 4,928 -> 4,736, 201 ->
+#: 197 registers (t_out, 32-row blocks). "pre26" is session 25's phase 1 (PTX byte-identical): A/B runs only,
+#: ``CULA_KDA_TC_PHASE1=pre26``.
+PHASE1_MODES = ("lean", "pre26")
+PHASE1 = __import__("os").environ.get("CULA_KDA_TC_PHASE1", "lean")
 #: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
 #: kda_fwd warns): which part of stage 1's time is memory. They apply to whichever stage 1 is the default
 #: (since session 18 u in stage 2's, ``t_out``). ``l2_loads``: every CTA reads its head's first rows (L2 hits
@@ -203,6 +210,7 @@ class KdaFwdIntraTC:
         gate_factors: str = GATE_FACTOR_MODES[0],
         subst: str = SUBST_MODES[0],
         factor_block: int = FACTOR_BLOCKS[0],
+        phase1: str = PHASE1_MODES[0],
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -237,6 +245,9 @@ class KdaFwdIntraTC:
         if subst not in SUBST_MODES:
             raise ValueError(f"subst (CULA_KDA_TC_SUBST): expected one of {SUBST_MODES}, got {subst!r}")
         self.subst = subst  # SUBST
+        if phase1 not in PHASE1_MODES:
+            raise ValueError(f"phase1 (CULA_KDA_TC_PHASE1): expected one of {PHASE1_MODES}, got {phase1!r}")
+        self.lean = phase1 == PHASE1_MODES[0]  # PHASE1
         if factor_block not in FACTOR_BLOCKS:
             raise ValueError(f"factor_block (CULA_KDA_TC_FACTOR_BLOCK): expected one of {FACTOR_BLOCKS}, "
                              f"got {factor_block!r}")
@@ -435,6 +446,31 @@ class KdaFwdIntraTC:
                             prefetch_line_l2(p + (tok * HV + hv_n) * d + ln * (LINE_BYTES * 8 // p.dtype.width))
 
     @cute.jit
+    def row_norms(self, ssq: cute.Tensor, lane):
+        """ssq[m] <- 1 / sqrt(Σ over the half-warp of ssq[m] + eps) for the 16 partial sums of a lane.
+
+        A row's 128 columns live on one half-warp. Recursive halving at lane offsets 1, 2, 4, 8: a lane keeps
+        half of its partial sums and adds its partner's copy of that half, so after 15 shuffles lane l holds
+        the full sum of index ``bitrev4(l % 16)``; it takes that one reciprocal square root and the half-warp
+        broadcasts the 16 results (16 shuffles). A butterfly over all 16 values took 64 shuffles and 16 MUFU.
+        The additions form the same pairwise tree over the lanes as the butterfly's, so the sums are equal.
+        """
+        cur = [ssq[m] for m in range(2 * ROWS_PER_THREAD)]
+        for s in cutlass.range_constexpr(4):
+            half = len(cur) // 2
+            upper = ((lane >> s) & 1) == 1  # this lane keeps the upper half of its current sums
+            nxt = []
+            for j in cutlass.range_constexpr(half):
+                send = cutlass.select_(upper, cur[j], cur[j + half])
+                keep = cutlass.select_(upper, cur[j + half], cur[j])
+                nxt.append(keep + cute.arch.shuffle_sync_bfly(send, offset=1 << s))
+            cur = nxt
+        own = cute.math.rsqrt(cur[0] + F32(L2NORM_EPS))
+        for m in cutlass.range_constexpr(2 * ROWS_PER_THREAD):
+            # 16-lane segments (c = 0x101F): the source is lane bitrev4(m) of this lane's half-warp
+            ssq[m] = cute.arch.shuffle_sync(own, offset=_bitrev4(m), mask_and_clamp=0x101F)
+
+    @cute.jit
     def column_pass(self, sTot: cute.Tensor, sFirst: cute.Tensor, sC: cute.Tensor, col):
         """Thread = key column ``col``: the group totals' exclusive prefix in place (the chunk total in
         row ``groups``) and the off-diagonal factors ``2^(R_I − E_J)`` of that column (bf16, <= 1)."""
@@ -613,7 +649,7 @@ class KdaFwdIntraTC:
                 dtb[c] = dtb[c] * F32(LOG2E)
         gl = cute.make_rmem_tensor(cute.make_layout((rpt, COLS_PER_THREAD),
                                                     stride=(COLS_PER_THREAD, 1)), F32)  # Γ, local scan
-        ssq = cute.make_rmem_tensor(cute.make_layout(2 * rpt), F32)  # Σx² of q rows, k rows
+        ssq = cute.make_rmem_tensor(cute.make_layout(2 * rpt), F32)  # Σx² of q, k rows; 1 / ‖x‖ after row_norms
         xq = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         xk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         xg = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
@@ -649,6 +685,11 @@ class KdaFwdIntraTC:
         lb_log2 = lower_bound * F32(RCP_LN2)
         a_nl2e = a_exp * F32(-RCP_LN2)  # the gate's e^(-a x) as 2^(a_nl2e x) (1/ln 2 = log2 e)
         neg_a = -a_exp
+        # the lower-bounded gate's exponent a_nl2e (x + dt_bias) as one FFMA a_nl2e x + adt per element
+        adt = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+        if cutlass.const_expr(self.lean):
+            for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                adt[c] = a_nl2e * dtb[c]
         for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
             keep = F32(1.0)
@@ -690,18 +731,29 @@ class KdaFwdIntraTC:
                     sp = cute.math.log2(F32(1.0) + cute.math.exp2(y_cut, fastmath=True), fastmath=True)
                     gl[rr, c] = prev + keep * cute.arch.fmax(neg_a * cute.arch.fmax(sp, y), lb_log2)
                 else:
-                    ez = cute.math.exp2(a_nl2e * (xg[c] + dtb[c]), fastmath=True)
+                    if cutlass.const_expr(self.lean):
+                        ez = cute.math.exp2(a_nl2e * xg[c] + adt[c], fastmath=True)
+                    else:
+                        ez = cute.math.exp2(a_nl2e * (xg[c] + dtb[c]), fastmath=True)
                     gl[rr, c] = prev + lb_keep * cute.arch.rcp_approx(F32(1.0) + ez)
             ssq[rr] = sq
             ssq[rpt + rr] = sk
-        # a row's 128 columns live on one half-warp: butterfly over lanes 1, 2, 4, 8
-        for s in cutlass.range_constexpr(4):
-            for m in cutlass.range_constexpr(2 * rpt):
-                ssq[m] = ssq[m] + cute.arch.shuffle_sync_bfly(ssq[m], offset=1 << s)
-        for c in cutlass.range_constexpr(COLS_PER_THREAD):
-            sTot[grp, d0 + c] = gl[rpt - 1, c]
+        if cutlass.const_expr(self.lean):
+            if cutlass.const_expr(self.use_qk_l2norm):
+                self.row_norms(ssq, lane)
+            cute.autovec_copy(gl[rpt - 1, None], _vec(sTot.iterator, grp * DK + d0, COLS_PER_THREAD))
             if grp % GROUPS_PER_BLOCK == 0:
-                sFirst[grp // GROUPS_PER_BLOCK, d0 + c] = gl[0, c]
+                cute.autovec_copy(gl[0, None],
+                                  _vec(sFirst.iterator, (grp // GROUPS_PER_BLOCK) * DK + d0, COLS_PER_THREAD))
+        else:
+            # a row's 128 columns live on one half-warp: butterfly over lanes 1, 2, 4, 8
+            for s in cutlass.range_constexpr(4):
+                for m in cutlass.range_constexpr(2 * rpt):
+                    ssq[m] = ssq[m] + cute.arch.shuffle_sync_bfly(ssq[m], offset=1 << s)
+            for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                sTot[grp, d0 + c] = gl[rpt - 1, c]
+                if grp % GROUPS_PER_BLOCK == 0:
+                    sFirst[grp // GROUPS_PER_BLOCK, d0 + c] = gl[0, c]
         cute.arch.sync_threads()
         self.stamp(ts, "phase1", tidx)
 
@@ -768,8 +820,12 @@ class KdaFwdIntraTC:
             nq = scale * keep
             nk = keep
             if cutlass.const_expr(self.use_qk_l2norm):
-                nq = nq * cute.math.rsqrt(ssq[rr] + F32(L2NORM_EPS))
-                nk = nk * cute.math.rsqrt(ssq[rpt + rr] + F32(L2NORM_EPS))
+                if cutlass.const_expr(self.lean):
+                    nq = nq * ssq[rr]
+                    nk = nk * ssq[rpt + rr]
+                else:
+                    nq = nq * cute.math.rsqrt(ssq[rr] + F32(L2NORM_EPS))
+                    nk = nk * cute.math.rsqrt(ssq[rpt + rr] + F32(L2NORM_EPS))
             _ld8(a_layout, qa_raw, (r, d0, 0), obf)
             rq.store(obf.load().to(F32) * nq)
             _ld8(a_layout, ka_raw, (r, d0, 0), obf)
@@ -1294,6 +1350,11 @@ def _gemm_ss(mma: cute.TiledMma, acc: cute.Tensor, t_a: cute.Tensor, t_b: cute.T
         cute.gemm(mma, acc, t_a[None, None, kb, 0], t_b[None, None, kb, 0], acc)
 
 
+def _bitrev4(m: int) -> int:
+    """The 4-bit reversal of ``m`` (0 <= m < 16): which lane of a half-warp holds sum m after row_norms' halving."""
+    return int(f"{m:04b}"[::-1], 2)
+
+
 @cute.jit
 def _tile(raw: cute.Pointer, layout: cute.ComposedLayout) -> cute.Tensor:
     """The swizzled bf16 tile of ``layout`` at the unswizzled start ``raw``."""
@@ -1401,6 +1462,8 @@ def compile_targets():
         "t_out_block32": build(cutlass.BFloat16, **full, t_out=True, factor_block=32),
         "emit_akk_block32": build(cutlass.BFloat16, **full, emit_akk=True, factor_block=32),
         "t_out_block32_direct": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, gate_factors="direct"),
+        # session 25's phase 1 on the default stage 1 (PHASE1; PTX byte-identical to 3a1c8de's t_out_block32)
+        "t_out_block32_pre26": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="pre26"),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
