@@ -49,7 +49,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
     # default = halves + right; pre21 = direct + left (the pre-session-21 stage 1); direct = direct + right;
     # left = halves + left; one_cta = the default at one CTA per SM (timing diagnostic: same code and values);
     # block32 = 32-row reference-factor blocks where the bound allows (the split rows' lb -5 does); block32_direct
-    # = the same with 2^Γ by exp2 (timing: its checks have not run)
+    # = the same with 2^Γ by exp2 (timing: its checks have not run); pre26 = session 25's phase 1 (butterfly l2 sums)
     local prefix=$1 m envs
     shift
     for m in "$@"; do
