@@ -179,6 +179,9 @@ SCENARIOS = {
     "block16_split": ("split", {"intra_tc.FACTOR_BLOCK": 16}),
     # device_round phase1: session 25's phase 1 (butterfly l2 sums, PHASE1) in the split rows
     "pre26_split": ("split", {"intra_tc.PHASE1": "pre26"}),
+    # device_round mma_norms: the row norms by wgmma (PHASE1 "mma_norms", opt-in) in checks and splits
+    "mma_norms_checks": ("tc", {"intra_tc.PHASE1": "mma_norms"}),
+    "mma_norms_split": ("split", {"intra_tc.PHASE1": "mma_norms"}),
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 

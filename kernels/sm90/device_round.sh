@@ -66,6 +66,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         no_stores) envs="CULA_KDA_TC_DIAG=no_qg_kgt,no_wu_store,no_aqk_store" ;;
         one_cta_no_stores) envs="CULA_KDA_TC_DIAG=one_cta,no_qg_kgt,no_wu_store,no_aqk_store" ;;
         pre26) envs="CULA_KDA_TC_PHASE1=pre26" ;;
+        mma_norms) envs="CULA_KDA_TC_PHASE1=mma_norms" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
@@ -289,6 +290,13 @@ for s in $steps; do
 tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-varlen-33,tc-lb5-strong,tc-softplus-varlen-zero,\
 tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
         mode_splits phase1_split default pre26 default pre26 ;;
+    mma_norms)  # session 26 (CPU-built, not yet run on a GPU): the row norms by wgmma (CULA_KDA_TC_PHASE1=mma_norms;
+        # 32-row blocks only, the softplus case keeps the lean phase 1) through the checks, then against the lean
+        # default, twice in turn (<= 300 s; AOT mma_norms_checks, mma_norms_split)
+        step mma_norms_check 220 env CULA_KDA_TC_PHASE1=mma_norms python3 -u -m cula.kernels.sm90.kda_fwd --check \
+            --no-bench --cases tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-varlen-33,tc-lb5-strong,\
+tc-softplus-varlen-zero,tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
+        mode_splits mma_norms_split default mma_norms default mma_norms ;;
     one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, "Where
         # the time goes and what is next"), twice in turn (<= 120 s; AOT scenario diag_one_cta)
         mode_splits one_cta_split default one_cta default one_cta ;;

@@ -640,9 +640,10 @@ def kda_fwd(
             tc_flags.update(gate_factors=intra_tc.GATE_FACTORS)
         if intra_tc.SUBST != intra_tc.SUBST_MODES[0]:
             tc_flags.update(subst=intra_tc.SUBST)
-        if intra_tc.PHASE1 != intra_tc.PHASE1_MODES[0]:
-            tc_flags.update(phase1=intra_tc.PHASE1)
         block = factor_block(lb, softplus_tc, log_tc)
+        # mma_norms stores the norms where 16-row blocks keep their pair factors: those calls keep "lean"
+        if intra_tc.PHASE1 != intra_tc.PHASE1_MODES[0] and (intra_tc.PHASE1 != "mma_norms" or block == 32):
+            tc_flags.update(phase1=intra_tc.PHASE1)
         if block != intra_tc.FACTOR_BLOCKS[0]:
             tc_flags.update(factor_block=block)
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
