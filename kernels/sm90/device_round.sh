@@ -45,6 +45,9 @@ s21_check() {
     local cases=tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
     step s21_check 200 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $cases
 }
+# the tensor-core checks of a phase-1 change: every gate form (sigmoid, softplus, fp32 gate, log-space)
+phase1_cases=tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-varlen-33,tc-lb5-strong,\
+tc-softplus-varlen-zero,tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
 mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 mode, in the order given
     # default = halves + right; pre21 = direct + left (the pre-session-21 stage 1); direct = direct + right;
     # left = halves + left; one_cta = the default at one CTA per SM (timing diagnostic: same code and values);
@@ -286,16 +289,13 @@ for s in $steps; do
     phase1)  # session 26: the lean phase 1 (the default: l2 sums by recursive halving, the gate's exponent as one
         # FFMA, 16-byte group totals) through the tensor-core checks (each gate form: sigmoid, softplus, fp32 gate,
         # log-space), then against session 25's phase 1 (pre26), twice in turn (<= 340 s; AOT checks, pre26_split)
-        step phase1_check 260 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases \
-tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-varlen-33,tc-lb5-strong,tc-softplus-varlen-zero,\
-tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
+        step phase1_check 260 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $phase1_cases
         mode_splits phase1_split default pre26 default pre26 ;;
     mma_norms)  # session 26 (CPU-built, not yet run on a GPU): the row norms by wgmma (CULA_KDA_TC_PHASE1=mma_norms;
         # 32-row blocks only, the softplus case keeps the lean phase 1) through the checks, then against the lean
         # default, twice in turn (<= 300 s; AOT mma_norms_checks, mma_norms_split)
         step mma_norms_check 220 env CULA_KDA_TC_PHASE1=mma_norms python3 -u -m cula.kernels.sm90.kda_fwd --check \
-            --no-bench --cases tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-varlen-33,tc-lb5-strong,\
-tc-softplus-varlen-zero,tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
+            --no-bench --cases $phase1_cases
         mode_splits mma_norms_split default mma_norms default mma_norms ;;
     one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, "Where
         # the time goes and what is next"), twice in turn (<= 120 s; AOT scenario diag_one_cta)

@@ -813,10 +813,11 @@ class KdaFwdIntraTC:
         if cutlass.const_expr(self.mma_norms):
             acc_n = self.issue_norm_products(mma_diag, st, a_layout, kt_layout, tidx)
         self.column_pass(sTot, sFirst, sC, tidx)
-        # mma_norms: 1 / ‖x‖ of the 64 q rows and 64 k rows, fp32, in the (unused with 32-row blocks) pair factors
-        sNorm = cute.make_tensor(cute.recast_ptr(sC.iterator, dtype=F32),
-                                 cute.make_layout((2, CHUNK), stride=(CHUNK, 1)))
+        sNorm = None
         if cutlass.const_expr(self.mma_norms):
+            # 1 / ‖x‖ of the 64 q rows and 64 k rows, fp32, in the pair factors' array (unused with 32-row blocks)
+            sNorm = cute.make_tensor(cute.recast_ptr(sC.iterator, dtype=F32),
+                                     cute.make_layout((2, CHUNK), stride=(CHUNK, 1)))
             warpgroup.wait_group(0)
             self.store_norms(acc_n, sNorm, warp, lane)
         cute.arch.sync_threads()
