@@ -519,7 +519,8 @@ def test_phase1_lean_cuts_shuffles_and_registers():
 
 def test_phase1_mma_norms_moves_the_norms_onto_wgmma():
     """PHASE1 "mma_norms" (opt-in): no l2 sums in phase 1 (no butterfly shuffles), the two norm products (16 more
-    wgmma), fewer registers than the lean phase 1, no spills; 32-row factor blocks only."""
+    wgmma), fewer registers than the lean phase 1, no spills; 32-row factor blocks only. The products are issued
+    behind the raw tiles' barrier, before the gate's work (its 64 reciprocals a thread), so they run beside it."""
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
     from cula.kernels.sm90 import kda_fwd_intra_tc as tc
@@ -529,6 +530,8 @@ def test_phase1_mma_norms_moves_the_norms_onto_wgmma():
     assert mma.ptx.count("shfl.sync.bfly") == 0 and mma.spill_bytes == 0
     assert mma.ptx.count("wgmma.mma_async") == lean.ptx.count("wgmma.mma_async") + 16
     assert mma.kernels[0].registers <= lean.kernels[0].registers
+    head = mma.ptx[:mma.ptx.index("wgmma.mma_async")]
+    assert head.count("bar.sync") == 1 and head.count("rcp.approx") == 0 < mma.ptx.count("rcp.approx")
     with pytest.raises(ValueError, match="mma_norms needs 32-row"):
         tc.KdaFwdIntraTC(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
                          allow_neg_eigval=False, group=1, factor_block=16, phase1="mma_norms")

@@ -142,9 +142,12 @@ SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
 #: (31 shuffles and one rsqrt per lane instead of a butterfly's 64 shuffles and 16 rsqrt; the same sums, bitwise),
 #: the lower-bounded gate's exponent as one FFMA and the group totals as 16-byte stores: SASS 4,928 -> 4,736, 201 ->
 #: 197 registers (t_out, 32-row blocks). "pre26" is session 25's phase 1 (PTX byte-identical): A/B runs only,
-#: ``CULA_KDA_TC_PHASE1=pre26``. "mma_norms" (session 26, opt-in, not yet run on a GPU; 32-row blocks only, the host
-#: keeps "lean" for 16-row ones) drops the l2 sums from phase 1: the norms are the diagonals of Q Qᵀ and K Kᵀ,
-#: two SS wgmma products on the raw q, k tiles issued after phase 1's barrier, waited for after the column pass.
+#: ``CULA_KDA_TC_PHASE1=pre26``. "mma_norms" (opt-in; 32-row blocks only, the host keeps "lean" for 16-row ones)
+#: drops the l2 sums from phase 1: the norms are the diagonals of Q Qᵀ and K Kᵀ, two SS wgmma products on the raw
+#: q, k tiles, waited for after the column pass. Session 27 (H100): issued after phase 1's barrier, nine checks
+#: PASS but stage 1 no faster (B2 T16384 1.687-1.694 against 1.688 ms; n20 +1 to +2%): the wait took ~1,250
+#: cycles a chunk (clock), more than phase 1 and 2 lost. Since then the raw tiles are written first and the
+#: products issued behind one more barrier, so they run beside the gate work.
 PHASE1_MODES = ("lean", "pre26", "mma_norms")
 PHASE1 = __import__("os").environ.get("CULA_KDA_TC_PHASE1", "lean")
 #: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
@@ -479,7 +482,7 @@ class KdaFwdIntraTC:
     def issue_norm_products(self, mma: cute.TiledMma, st, a_layout: cute.ComposedLayout,
                             kt_layout: cute.ComposedLayout, tidx):
         """``phase1="mma_norms"``: issue Q Qᵀ and K Kᵀ (SS m64n64k128, one group) on the raw bf16 q, k tiles that
-        phase 1 left in Qa / Ka, each tile both the A operand and, through the K̃ tile's layout, the B operand.
+        phase 1 wrote to Qa / Ka first, each tile both the A operand and, through the K̃ tile's layout, the B one.
         bf16 products are exact in the fp32 accumulator, so the diagonals are the rows' Σx² up to the summation
         order. Returns the two accumulators (64 registers a thread until :meth:`store_norms`)."""
         thr = mma.get_slice(tidx)
@@ -732,6 +735,15 @@ class KdaFwdIntraTC:
         if cutlass.const_expr(self.lean):
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
                 adt[c] = a_nl2e * dtb[c]
+        acc_n = None
+        if cutlass.const_expr(self.mma_norms):
+            # the raw q, k tiles first, so that the norm products run on the tensor pipe beside the gate work
+            for rr in cutlass.range_constexpr(rpt):
+                _st8(a_layout, qa_raw, (r0 + rr, d0, 0), raw_q[rr, None])
+                _st8(a_layout, ka_raw, (r0 + rr, d0, 0), raw_k[rr, None])
+            cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+            cute.arch.sync_threads()
+            acc_n = self.issue_norm_products(mma_diag, st, a_layout, kt_layout, tidx)
         for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
             keep = F32(1.0)
@@ -743,8 +755,9 @@ class KdaFwdIntraTC:
             xk.store(raw_k[rr, None].load().to(F32))
             xg.store(raw_g[rr, None].load().to(F32))
             # raw q, k, v to their tiles (q and k are rewritten in place in phase 2)
-            _st8(a_layout, qa_raw, (r, d0, 0), raw_q[rr, None])
-            _st8(a_layout, ka_raw, (r, d0, 0), raw_k[rr, None])
+            if cutlass.const_expr(not self.mma_norms):
+                _st8(a_layout, qa_raw, (r, d0, 0), raw_q[rr, None])
+                _st8(a_layout, ka_raw, (r, d0, 0), raw_k[rr, None])
             if cutlass.const_expr(not self.skip_vu):
                 _st8(x_layout, v_raw, (d0, r, 0), raw_v[rr, None])  # MN-major: (d, token)
             sq = F32(0.0)
@@ -783,8 +796,6 @@ class KdaFwdIntraTC:
         if cutlass.const_expr(self.lean):
             if cutlass.const_expr(self.use_qk_l2norm and not self.mma_norms):
                 self.row_norms(ssq, lane)
-            if cutlass.const_expr(self.mma_norms):  # the norm products read the raw q, k tiles (async proxy)
-                cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
             cute.autovec_copy(gl[rpt - 1, None], _vec(sTot.iterator, grp * DK + d0, COLS_PER_THREAD))
             if grp % GROUPS_PER_BLOCK == 0:
                 cute.autovec_copy(gl[0, None],
@@ -809,9 +820,6 @@ class KdaFwdIntraTC:
         # column pass (thread = column tidx): the group totals' exclusive prefix in place, the chunk total
         # in row groups, and the off-diagonal factors 2^(C_I − E_J); then every thread reads the few
         # prefixes it needs as 16-byte vectors (instead of selecting them out of a 64-step scan)
-        acc_n = None
-        if cutlass.const_expr(self.mma_norms):
-            acc_n = self.issue_norm_products(mma_diag, st, a_layout, kt_layout, tidx)
         self.column_pass(sTot, sFirst, sC, tidx)
         sNorm = None
         if cutlass.const_expr(self.mma_norms):
