@@ -537,6 +537,23 @@ def test_phase1_mma_norms_moves_the_norms_onto_wgmma():
                          allow_neg_eigval=False, group=1, factor_block=16, phase1="mma_norms")
 
 
+@pytest.mark.parametrize("target", ["t_out_block32", "t_out_softplus_gva"])
+def test_phase1_tma_qk_loads_q_k_by_tma(target):
+    """PHASE1 "tma_qk" (opt-in): q and k arrive by four TMA box loads (two a tile) instead of 16 per-thread
+    16-byte global loads; the threads read the 16 rows back from shared memory; same shared memory (the
+    mbarrier sits in the struct's alignment padding), no spills."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common.ptx_check import ptx_report
+
+    lean = ptx_report("cula.kernels.sm90.kda_fwd", f"intra_tc_{target}")
+    tma = ptx_report("cula.kernels.sm90.kda_fwd", f"intra_tc_{target}_tma_qk")
+    assert tma.ptx.count("cp.async.bulk.tensor") == lean.ptx.count("cp.async.bulk.tensor") + 4
+    assert tma.ptx.count("ld.global.v4") == lean.ptx.count("ld.global.v4") - 16
+    assert tma.ptx.count("ld.shared.v4") == lean.ptx.count("ld.shared.v4") + 16
+    assert tma.ptx.count("mbarrier.try_wait") >= 1 and tma.spill_bytes == 0
+    assert tma.kernels[0].registers <= 255
+
+
 def test_tc_factor_block_32_overflows_below_its_bound():
     """Past BLOCK32_MIN_LOWER_BOUND the 32-row factors leave fp32's range on saturated gates (why the host
     keeps the 16-row blocks there)."""
@@ -683,6 +700,32 @@ def test_gpu_u_in_recur_partial_chunk_ignores_the_next_sequence(monkeypatch):
     o2, ht2 = kda_fwd.kda_fwd(q, k, v_bad, g, beta, **kw)
     assert torch.isfinite(o[:, :100]).all() and torch.equal(o[:, :100], o2[:, :100])
     assert torch.equal(ht[0], ht2[0])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", ["tc-varlen-zero", "tc-softplus-varlen-zero"])
+def test_gpu_tma_qk_equals_lean_and_ignores_later_sequences(monkeypatch, case):
+    """PHASE1 "tma_qk" loads q, k by TMA: a partial chunk's rows past its sequence are the next tokens there.
+    Its outputs are bitwise the lean phase 1's (the same values reach the same arithmetic), for 32-row (lb −0.1)
+    and 16-row (softplus) factor blocks, and Inf in every later sequence's q and k leaves the first sequences'
+    o and final states bitwise unchanged (cu_seqlens 0, 0, 15, 15, 79, 200: the first chunk is partial)."""
+    from cula.kernels.sm90 import kda_fwd_check as chk
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+
+    (spec,) = [c for c in chk.CASES if c[0] == case]
+    args, kw = chk._inputs(*spec, dev=torch.device("cuda"))
+    o, ht = kda_fwd.kda_fwd(*args, **kw)
+    monkeypatch.setattr(intra_tc, "PHASE1", "tma_qk")
+    o1, ht1 = kda_fwd.kda_fwd(*args, **kw)
+    assert torch.equal(o, o1) and torch.equal(ht, ht1)
+    q, k, v, g, beta = args
+    q_bad, k_bad = q.clone(), k.clone()
+    q_bad[:, 15:] = float("inf")
+    k_bad[:, 15:] = float("inf")
+    o2, ht2 = kda_fwd.kda_fwd(q_bad, k_bad, v, g, beta, **kw)
+    assert torch.isfinite(o[:, :15]).all() and torch.equal(o[:, :15], o2[:, :15])
+    assert torch.equal(ht[:2], ht2[:2])
 
 
 RECUR_CASES = ["T1", "T15-l2-gate", "T65-gva-vfirst", "T1000-all", "varlen-zero", "varlen-33"]

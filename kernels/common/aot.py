@@ -182,6 +182,9 @@ SCENARIOS = {
     # device_round mma_norms: the row norms by wgmma (PHASE1 "mma_norms", opt-in) in checks and splits
     "mma_norms_checks": ("tc", {"intra_tc.PHASE1": "mma_norms"}),
     "mma_norms_split": ("split", {"intra_tc.PHASE1": "mma_norms"}),
+    # device_round tma_qk: q and k by TMA (PHASE1 "tma_qk", opt-in) in checks (and the GPU test's calls) and splits
+    "tma_qk_checks": ("tc", {"intra_tc.PHASE1": "tma_qk"}),
+    "tma_qk_split": ("split", {"intra_tc.PHASE1": "tma_qk"}),
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 

@@ -147,8 +147,14 @@ SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
 #: q, k tiles, waited for after the column pass. Session 27 (H100): issued after phase 1's barrier, nine checks
 #: PASS but stage 1 no faster (B2 T16384 1.687-1.694 against 1.688 ms; n20 +1 to +2%): the wait took ~1,250
 #: cycles a chunk (clock), more than phase 1 and 2 lost. Since then the raw tiles are written first and the
-#: products issued behind one more barrier, so they run beside the gate work.
-PHASE1_MODES = ("lean", "pre26", "mma_norms")
+#: products issued behind one more barrier, so they run beside the gate work: B2 T16384 −1.1% (1.672 against
+#: 1.691 ms), n20 +1 to +3%; the two m64n64k128 products cost ~1,000 tensor-pipe cycles a chunk, no longer free.
+#: "tma_qk" (session 27, opt-in) is the lean phase 1 with q and k arriving by TMA straight into the Qa / Ka tiles
+#: (one thread, two copies, an mbarrier): no per-thread global loads, address arithmetic or raw-tile stores for
+#: them; the threads read their rows back from shared memory for the l2 sums. Rows past a partial chunk's end are
+#: the next tokens there (zeros past the tensor): in a sequence's last chunk each thread zeroes its own part of
+#: them before reading, so nothing of another sequence is multiplied (by zero: Inf would make NaN).
+PHASE1_MODES = ("lean", "pre26", "mma_norms", "tma_qk")
 PHASE1 = __import__("os").environ.get("CULA_KDA_TC_PHASE1", "lean")
 #: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
 #: kda_fwd warns): which part of stage 1's time is memory. They apply to whichever stage 1 is the default
@@ -254,6 +260,7 @@ class KdaFwdIntraTC:
             raise ValueError(f"phase1 (CULA_KDA_TC_PHASE1): expected one of {PHASE1_MODES}, got {phase1!r}")
         self.lean = phase1 != "pre26"  # PHASE1
         self.mma_norms = phase1 == "mma_norms"
+        self.tma_qk = phase1 == "tma_qk"
         if self.mma_norms and factor_block != 32:
             raise ValueError(f"phase1 (CULA_KDA_TC_PHASE1): mma_norms needs 32-row factor blocks, got {factor_block}")
         if factor_block not in FACTOR_BLOCKS:
@@ -324,6 +331,14 @@ class KdaFwdIntraTC:
         tma_w, tW = cpasync.make_tiled_tma_atom(s2g, mW, w_one, (CHUNK, DK))
         tma_u, tU = cpasync.make_tiled_tma_atom(s2g, mU, w_one, (CHUNK, DV))
         tma_aqk, tAqk = cpasync.make_tiled_tma_atom(s2g, mAqk, aqk_one, (CHUNK, CHUNK))
+        tma_q = tQ = tma_k = tK = None
+        if cutlass.const_expr(self.tma_qk):
+            # q, k as (token, d, head): a box is one head's 64 rows from any first token into a Qa / Ka tile
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            a_one = cute.slice_(self.a_layout, (None, None, 0))
+            qk = cute.make_layout((total_tokens, DK, num_heads), stride=(num_heads * DK, 1, DK))
+            tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, cute.make_tensor(pQ, qk), a_one, (CHUNK, DK))
+            tma_k, tK = cpasync.make_tiled_tma_atom(g2s, cute.make_tensor(pK, qk), a_one, (CHUNK, DK))
 
         kmode = warpgroup.OperandMajorMode.K
         mnmode = warpgroup.OperandMajorMode.MN
@@ -340,7 +355,7 @@ class KdaFwdIntraTC:
         self.shared_storage = SharedStorage
         self.kernel(
             pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam,
-            tma_w, tW, tma_u, tU, tma_aqk, tAqk,
+            tma_w, tW, tma_u, tU, tma_aqk, tAqk, tma_q, tQ, tma_k, tK,
             mma_diag, mma_offs[0], mma_offs[1], mma_offs[2], mma_wu,
             self.a_layout, self.kt_layout, kb_layouts[0], kb_layouts[1], kb_layouts[2], self.x_layout,
             self.tb_layout, self.w_layout, self.aqk_layout,
@@ -363,6 +378,8 @@ class KdaFwdIntraTC:
                       sX=tile, sV=al[mr[BF16, CHUNK * DV], 1024],
                       sTot=al[mr[F32, (GROUPS + 1) * DK], 16], sFirst=al[mr[F32, NBLK * DK], 16],
                       sC=al[mr[BF16, len(PAIRS) * DK], 16], sBeta=al[mr[F32, CHUNK], 16])
+        if self.tma_qk:  # the q / k loads' mbarrier, in the struct's 1 KB alignment padding (same total)
+            fields["sMbar"] = al[mr[cutlass.Int64, 1], 8]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ---------------------------------------------------------------------------- device side --
@@ -386,6 +403,10 @@ class KdaFwdIntraTC:
         tU: cute.Tensor,
         tma_aqk: cute.CopyAtom,
         tAqk: cute.Tensor,
+        tma_q,  # phase1 "tma_qk": the q / k loads' atoms and tensors (None otherwise)
+        tQ,
+        tma_k,
+        tK,
         mma_diag: cute.TiledMma,
         mma_off1: cute.TiledMma,
         mma_off2: cute.TiledMma,
@@ -414,9 +435,9 @@ class KdaFwdIntraTC:
         if chunks[chunk, 1] > 0:
             self.chunk_body(
                 pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW,
-                tma_u, tU, tma_aqk, tAqk, mma_diag, mma_off1, mma_off2, mma_off3, mma_wu, a_layout, kt_layout,
-                kb1_layout, kb2_layout, kb3_layout, x_layout, tb_layout, w_layout, aqk_layout, H, HV, NC, scale,
-                lower_bound,
+                tma_u, tU, tma_aqk, tAqk, tma_q, tQ, tma_k, tK, mma_diag, mma_off1, mma_off2, mma_off3, mma_wu,
+                a_layout, kt_layout, kb1_layout, kb2_layout, kb3_layout, x_layout, tb_layout, w_layout, aqk_layout, H,
+                HV, NC, scale, lower_bound,
             )
         if cutlass.const_expr(self.pdl_trigger == "end"):
             cute.arch.griddepcontrol_launch_dependents()
@@ -603,6 +624,10 @@ class KdaFwdIntraTC:
         tU: cute.Tensor,
         tma_aqk: cute.CopyAtom,
         tAqk: cute.Tensor,
+        tma_q,  # phase1 "tma_qk": the q / k loads' atoms and tensors (None otherwise)
+        tQ,
+        tma_k,
+        tK,
         mma_diag: cute.TiledMma,
         mma_off1: cute.TiledMma,
         mma_off2: cute.TiledMma,
@@ -707,12 +732,26 @@ class KdaFwdIntraTC:
         raw_k = cute.make_rmem_tensor(rows8, BF16)
         raw_v = cute.make_rmem_tensor(rows8, BF16)
         raw_g = cute.make_rmem_tensor(rows8, pG.dtype)
+        mbar = None
+        if cutlass.const_expr(self.tma_qk):  # q and k straight into the Qa / Ka tiles, issued first
+            mbar = st.sMbar.data_ptr()
+            if tidx == 0:
+                cute.arch.mbarrier_init(mbar, 1)
+                cute.arch.mbarrier_init_fence()
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar, 2 * CHUNK * DK * BF16.width // 8)
+                one = cute.make_layout(1)
+                for tma_x, t_x, s_x in ((tma_q, tQ, sQa), (tma_k, tK, sKa)):
+                    g_x = cute.local_tile(cute.domain_offset((tok0, 0), t_x[None, None, hq]), (CHUNK, DK), (None, 0))
+                    ts_x, tg_x = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(s_x, 0, 2),
+                                                       cute.group_modes(g_x, 0, 2))
+                    cute.copy(tma_x, tg_x[None, 0], ts_x[None, 0], tma_bar_ptr=mbar)
         for rr in cutlass.range_constexpr(rpt):
             tok = tok0 + cutlass.min(r0 + rr, nvalid - 1)
             if cutlass.const_expr("l2_loads" in self.diag):  # timing only: the head's first rows, L2 hits
                 tok = cutlass.min(r0 + rr, nvalid - 1)
-            raw_q[rr, None].store(_vec(pQ, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
-            raw_k[rr, None].store(_vec(pK, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
+            if cutlass.const_expr(not self.tma_qk):
+                raw_q[rr, None].store(_vec(pQ, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
+                raw_k[rr, None].store(_vec(pK, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
             if cutlass.const_expr(not self.skip_vu):
                 raw_v[rr, None].store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load())
             raw_g[rr, None].store(_vec(pG, (tok * HV + hv) * DK + d0, COLS_PER_THREAD).load())
@@ -735,6 +774,19 @@ class KdaFwdIntraTC:
         if cutlass.const_expr(self.lean):
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
                 adt[c] = a_nl2e * dtb[c]
+        if cutlass.const_expr(self.tma_qk):
+            cute.arch.sync_threads()  # the mbarrier's initialisation is visible to every thread
+            cute.arch.mbarrier_wait(mbar, 0)
+            zero8 = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
+            zero8.fill(0.0)
+            if nvalid < CHUNK:  # uniform: a sequence's last chunk only
+                for rr in cutlass.range_constexpr(rpt):
+                    if r0 + rr >= nvalid:  # another sequence's token (or TMA's zeros): this thread's part of it
+                        _st8(a_layout, qa_raw, (r0 + rr, d0, 0), zero8)
+                        _st8(a_layout, ka_raw, (r0 + rr, d0, 0), zero8)
+            for rr in cutlass.range_constexpr(rpt):
+                _ld8(a_layout, qa_raw, (r0 + rr, d0, 0), raw_q[rr, None])
+                _ld8(a_layout, ka_raw, (r0 + rr, d0, 0), raw_k[rr, None])
         acc_n = None
         if cutlass.const_expr(self.mma_norms):
             # the raw q, k tiles first, so that the norm products run on the tensor pipe beside the gate work
@@ -755,7 +807,7 @@ class KdaFwdIntraTC:
             xk.store(raw_k[rr, None].load().to(F32))
             xg.store(raw_g[rr, None].load().to(F32))
             # raw q, k, v to their tiles (q and k are rewritten in place in phase 2)
-            if cutlass.const_expr(not self.mma_norms):
+            if cutlass.const_expr(not self.mma_norms and not self.tma_qk):
                 _st8(a_layout, qa_raw, (r, d0, 0), raw_q[rr, None])
                 _st8(a_layout, ka_raw, (r, d0, 0), raw_k[rr, None])
             if cutlass.const_expr(not self.skip_vu):
@@ -1531,6 +1583,10 @@ def compile_targets():
         "t_out_block32_pre26": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="pre26"),
         # the row norms by wgmma (PHASE1 "mma_norms", opt-in)
         "t_out_block32_mma_norms": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="mma_norms"),
+        # q, k by TMA (PHASE1 "tma_qk", opt-in), with 32-row blocks and with the softplus gate's 16-row ones
+        "t_out_block32_tma_qk": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_qk"),
+        "t_out_softplus_gva_tma_qk": build(cutlass.BFloat16, **{**full, "group": 2}, softplus_gate=True, t_out=True,
+                                          phase1="tma_qk"),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
