@@ -735,10 +735,12 @@ class KdaFwdIntraTC:
         mbar = None
         if cutlass.const_expr(self.tma_qk):  # q and k straight into the Qa / Ka tiles, issued first
             mbar = st.sMbar.data_ptr()
-            if tidx == 0:
-                cute.arch.mbarrier_init(mbar, 1)
-                cute.arch.mbarrier_init_fence()
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar, 2 * CHUNK * DK * BF16.width // 8)
+            if warp == 0:  # a TMA copy is issued by a whole warp (it elects its one issuing lane)
+                if lane == 0:
+                    cute.arch.mbarrier_init(mbar, 1)
+                    cute.arch.mbarrier_init_fence()
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, 2 * CHUNK * DK * BF16.width // 8)
+                cute.arch.sync_warp()
                 one = cute.make_layout(1)
                 for tma_x, t_x, s_x in ((tma_q, tQ, sQa), (tma_k, tK, sKa)):
                     g_x = cute.local_tile(cute.domain_offset((tok0, 0), t_x[None, None, hq]), (CHUNK, DK), (None, 0))
