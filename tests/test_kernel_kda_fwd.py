@@ -551,6 +551,10 @@ def test_phase1_tma_qk_loads_q_k_by_tma(target):
     assert tma.ptx.count("ld.global.v4") == lean.ptx.count("ld.global.v4") - 16
     assert tma.ptx.count("ld.shared.v4") == lean.ptx.count("ld.shared.v4") + 16
     assert tma.ptx.count("mbarrier.try_wait") >= 1 and tma.spill_bytes == 0
+    # the copies elect their lane over the full warp: issued after lane 0's mbarrier setup rejoins the warp (from
+    # lane 0 alone they hung on the H100)
+    ptx = tma.ptx
+    assert ptx.index("mbarrier.arrive.expect_tx") < ptx.index("bar.warp.sync") < ptx.index("elect.sync")
     assert tma.kernels[0].registers <= 255
 
 
