@@ -115,15 +115,15 @@ def test_mma_norms_checks_then_splits_against_the_default(tmp_path):
     assert [("CULA_KDA_TC_PHASE1=mma_norms" in c) for c in splits] == [False, True] * 2
 
 
-def test_tma_qk_checks_gpu_test_then_splits_against_the_default(tmp_path):
+def test_tma_qk_checks_gpu_test_then_splits_against_lean(tmp_path):
     from cula.kernels.sm90.kda_fwd_check import CASES
 
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "tma_qk")
     check, test = cmds[:2]
-    assert "CULA_KDA_TC_PHASE1=tma_qk" in check and "--no-bench" in check
+    assert "CULA_KDA_TC_PHASE1" not in check and "--no-bench" in check  # tma_qk is the default
     names = check.split("--cases ")[1].split()[0].split(",")
     assert set(names) <= {c[0] for c in CASES} and len(names) == 9
     assert "pytest" in test and "tma_qk" in test and "CULA_KDA_TC_PHASE1" not in test
     splits = cmds[2:]
     assert len(splits) == 4 and all("--split worst" in c for c in splits)
-    assert [("CULA_KDA_TC_PHASE1=tma_qk" in c) for c in splits] == [False, True] * 2
+    assert [("CULA_KDA_TC_PHASE1=lean" in c) for c in splits] == [False, True] * 2

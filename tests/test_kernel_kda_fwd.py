@@ -126,7 +126,9 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_t_out_direct_left", True),
                                                ("intra_tc_t_out_block32", True),
                                                ("intra_tc_t_out_block32_pre26", True),
-                                               ("intra_tc_t_out_block32_mma_norms", True)])
+                                               ("intra_tc_t_out_block32_mma_norms", True),
+                                               ("intra_tc_t_out_block32_lean", True),
+                                               ("intra_tc_t_out_softplus_gva_lean", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -499,7 +501,7 @@ def test_row_norms_halving_equals_the_butterfly_bitwise():
 
 
 def test_phase1_lean_cuts_shuffles_and_registers():
-    """The lean phase 1 (the default) against session 25's (PHASE1 "pre26"): 15 butterfly and 16 broadcast
+    """The lean phase 1 (session 26's; the default until session 27's TMA loads) against session 25's (PHASE1 "pre26"): 15 butterfly and 16 broadcast
     shuffles instead of 64, one rsqrt per lane instead of 16, no more registers, no spills; the switch is checked
     by name."""
     pytest.importorskip("cutlass")
@@ -507,7 +509,7 @@ def test_phase1_lean_cuts_shuffles_and_registers():
     from cula.kernels.sm90 import kda_fwd_intra_tc as tc
 
     base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_pre26")
-    lean = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32")
+    lean = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_lean")
     assert base.ptx.count("shfl.sync.bfly") == 64 and lean.ptx.count("shfl.sync.bfly") == 15
     assert lean.ptx.count("shfl.sync.idx") == base.ptx.count("shfl.sync.idx") + 16
     assert lean.ptx.count("rsqrt.approx") == base.ptx.count("rsqrt.approx") - 15
@@ -525,7 +527,7 @@ def test_phase1_mma_norms_moves_the_norms_onto_wgmma():
     from cula.kernels.common.ptx_check import ptx_report
     from cula.kernels.sm90 import kda_fwd_intra_tc as tc
 
-    lean = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32")
+    lean = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_lean")
     mma = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_mma_norms")
     assert mma.ptx.count("shfl.sync.bfly") == 0 and mma.spill_bytes == 0
     assert mma.ptx.count("wgmma.mma_async") == lean.ptx.count("wgmma.mma_async") + 16
@@ -539,14 +541,14 @@ def test_phase1_mma_norms_moves_the_norms_onto_wgmma():
 
 @pytest.mark.parametrize("target", ["t_out_block32", "t_out_softplus_gva"])
 def test_phase1_tma_qk_loads_q_k_by_tma(target):
-    """PHASE1 "tma_qk" (opt-in): q and k arrive by four TMA box loads (two a tile) instead of 16 per-thread
+    """PHASE1 "tma_qk" (the default): q and k arrive by four TMA box loads (two a tile) instead of 16 per-thread
     16-byte global loads; the threads read the 16 rows back from shared memory; same shared memory (the
     mbarrier sits in the struct's alignment padding), no spills."""
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
 
-    lean = ptx_report("cula.kernels.sm90.kda_fwd", f"intra_tc_{target}")
-    tma = ptx_report("cula.kernels.sm90.kda_fwd", f"intra_tc_{target}_tma_qk")
+    lean = ptx_report("cula.kernels.sm90.kda_fwd", f"intra_tc_{target}_lean")
+    tma = ptx_report("cula.kernels.sm90.kda_fwd", f"intra_tc_{target}")
     assert tma.ptx.count("cp.async.bulk.tensor") == lean.ptx.count("cp.async.bulk.tensor") + 4
     assert tma.ptx.count("ld.global.v4") == lean.ptx.count("ld.global.v4") - 16
     assert tma.ptx.count("ld.shared.v4") == lean.ptx.count("ld.shared.v4") + 16
@@ -719,9 +721,11 @@ def test_gpu_tma_qk_equals_lean_and_ignores_later_sequences(monkeypatch, case):
 
     (spec,) = [c for c in chk.CASES if c[0] == case]
     args, kw = chk._inputs(*spec, dev=torch.device("cuda"))
-    o, ht = kda_fwd.kda_fwd(*args, **kw)
     monkeypatch.setattr(intra_tc, "PHASE1", "tma_qk")
+    o, ht = kda_fwd.kda_fwd(*args, **kw)
+    monkeypatch.setattr(intra_tc, "PHASE1", "lean")
     o1, ht1 = kda_fwd.kda_fwd(*args, **kw)
+    monkeypatch.setattr(intra_tc, "PHASE1", "tma_qk")
     assert torch.equal(o, o1) and torch.equal(ht, ht1)
     q, k, v, g, beta = args
     q_bad, k_bad = q.clone(), k.clone()

@@ -182,9 +182,10 @@ SCENARIOS = {
     # device_round mma_norms: the row norms by wgmma (PHASE1 "mma_norms", opt-in) in checks and splits
     "mma_norms_checks": ("tc", {"intra_tc.PHASE1": "mma_norms"}),
     "mma_norms_split": ("split", {"intra_tc.PHASE1": "mma_norms"}),
-    # device_round tma_qk: q and k by TMA (PHASE1 "tma_qk", opt-in) in checks (and the GPU test's calls) and splits
-    "tma_qk_checks": ("tc", {"intra_tc.PHASE1": "tma_qk"}),
-    "tma_qk_split": ("split", {"intra_tc.PHASE1": "tma_qk"}),
+    # device_round tma_qk: session 26's phase 1 (PHASE1 "lean": q, k by per-thread loads) in the GPU test's calls
+    # (the check cases') and the splits, against the default (q, k by TMA)
+    "lean_checks": ("tc", {"intra_tc.PHASE1": "lean"}),
+    "lean_split": ("split", {"intra_tc.PHASE1": "lean"}),
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 

@@ -70,7 +70,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         one_cta_no_stores) envs="CULA_KDA_TC_DIAG=one_cta,no_qg_kgt,no_wu_store,no_aqk_store" ;;
         pre26) envs="CULA_KDA_TC_PHASE1=pre26" ;;
         mma_norms) envs="CULA_KDA_TC_PHASE1=mma_norms" ;;
-        tma_qk) envs="CULA_KDA_TC_PHASE1=tma_qk" ;;
+        lean) envs="CULA_KDA_TC_PHASE1=lean" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
@@ -298,14 +298,14 @@ for s in $steps; do
         step mma_norms_check 220 env CULA_KDA_TC_PHASE1=mma_norms python3 -u -m cula.kernels.sm90.kda_fwd --check \
             --no-bench --cases $phase1_cases
         mode_splits mma_norms_split default mma_norms default mma_norms ;;
-    tma_qk)  # session 27 (CPU-built): q and k by TMA into the Qa / Ka tiles (CULA_KDA_TC_PHASE1=tma_qk) through the
-        # checks, the GPU test (bitwise the lean phase 1's outputs; Inf in later sequences' q, k reaches no earlier
-        # one), then against the lean default, twice in turn (<= 360 s; AOT tma_qk_checks, tma_qk_split)
-        step tma_qk_check 220 env CULA_KDA_TC_PHASE1=tma_qk python3 -u -m cula.kernels.sm90.kda_fwd --check \
-            --no-bench --cases $phase1_cases
+    tma_qk)  # session 27: q and k by TMA into the Qa / Ka tiles (the default since its first run) through the checks,
+        # the GPU test (bitwise the lean phase 1's outputs; Inf in later sequences' q, k reaches no earlier one),
+        # then against session 26's phase 1 (CULA_KDA_TC_PHASE1=lean), twice in turn (<= 360 s; AOT lean_checks,
+        # lean_split)
+        step tma_qk_check 220 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $phase1_cases
         step tma_qk_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "tma_qk"
-        mode_splits tma_qk_split default tma_qk default tma_qk ;;
+        mode_splits tma_qk_split default lean default lean ;;
     one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, "Where
         # the time goes and what is next"), twice in turn (<= 120 s; AOT scenario diag_one_cta)
         mode_splits one_cta_split default one_cta default one_cta ;;

@@ -138,7 +138,8 @@ GATE_FACTORS = __import__("os").environ.get("CULA_KDA_TC_GATE_FACTORS", "halves"
 #: 1.3-1.4% on the n20 rows. ``CULA_KDA_TC_SUBST=left`` for A/B.
 SUBST_MODES = ("right", "left")
 SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
-#: Phase 1's form (session 26): "lean" (the default) takes the l2 norms' sums over a half-warp by recursive halving
+#: Phase 1's form. "tma_qk" (session 27, the default since its H100 run) is "lean" with q and k arriving by TMA
+#: (below). "lean" (session 26; the default before) takes the l2 norms' sums over a half-warp by recursive halving
 #: (31 shuffles and one rsqrt per lane instead of a butterfly's 64 shuffles and 16 rsqrt; the same sums, bitwise),
 #: the lower-bounded gate's exponent as one FFMA and the group totals as 16-byte stores: SASS 4,928 -> 4,736, 201 ->
 #: 197 registers (t_out, 32-row blocks). "pre26" is session 25's phase 1 (PTX byte-identical): A/B runs only,
@@ -149,13 +150,16 @@ SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
 #: cycles a chunk (clock), more than phase 1 and 2 lost. Since then the raw tiles are written first and the
 #: products issued behind one more barrier, so they run beside the gate work: B2 T16384 −1.1% (1.672 against
 #: 1.691 ms), n20 +1 to +3%; the two m64n64k128 products cost ~1,000 tensor-pipe cycles a chunk, no longer free.
-#: "tma_qk" (session 27, opt-in) is the lean phase 1 with q and k arriving by TMA straight into the Qa / Ka tiles
+#: "tma_qk" (session 27) is the lean phase 1 with q and k arriving by TMA straight into the Qa / Ka tiles
 #: (one thread, two copies, an mbarrier): no per-thread global loads, address arithmetic or raw-tile stores for
 #: them; the threads read their rows back from shared memory for the l2 sums. Rows past a partial chunk's end are
 #: the next tokens there (zeros past the tensor): in a sequence's last chunk each thread zeroes its own part of
-#: them before reading, so nothing of another sequence is multiplied (by zero: Inf would make NaN).
-PHASE1_MODES = ("lean", "pre26", "mma_norms", "tma_qk")
-PHASE1 = __import__("os").environ.get("CULA_KDA_TC_PHASE1", "lean")
+#: them before reading, so nothing of another sequence is multiplied (by zero: Inf would make NaN). Outputs bitwise
+#: the lean phase 1's. H100, session 27 (`--split worst`, twice each against lean): stage 1 −3.5% at B2 T16384
+#: (1.691 -> 1.632 ms), −2.1 / −3.1 / −3.4% on the uniform / random / skewed n20 rows; nine checks PASS.
+#: ``CULA_KDA_TC_PHASE1=lean`` for A/B.
+PHASE1_MODES = ("tma_qk", "lean", "pre26", "mma_norms")
+PHASE1 = __import__("os").environ.get("CULA_KDA_TC_PHASE1", PHASE1_MODES[0])
 #: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
 #: kda_fwd warns): which part of stage 1's time is memory. They apply to whichever stage 1 is the default
 #: (since session 18 u in stage 2's, ``t_out``). ``l2_loads``: every CTA reads its head's first rows (L2 hits
@@ -1585,10 +1589,11 @@ def compile_targets():
         "t_out_block32_pre26": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="pre26"),
         # the row norms by wgmma (PHASE1 "mma_norms", opt-in)
         "t_out_block32_mma_norms": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="mma_norms"),
-        # q, k by TMA (PHASE1 "tma_qk", opt-in), with 32-row blocks and with the softplus gate's 16-row ones
-        "t_out_block32_tma_qk": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_qk"),
-        "t_out_softplus_gva_tma_qk": build(cutlass.BFloat16, **{**full, "group": 2}, softplus_gate=True, t_out=True,
-                                          phase1="tma_qk"),
+        # session 26's phase 1 (q, k by per-thread loads; PHASE1 "lean"), with 32-row blocks and the softplus gate's
+        # 16-row ones
+        "t_out_block32_lean": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="lean"),
+        "t_out_softplus_gva_lean": build(cutlass.BFloat16, **{**full, "group": 2}, softplus_gate=True, t_out=True,
+                                         phase1="lean"),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
