@@ -128,7 +128,7 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_t_out_block32_pre26", True),
                                                ("intra_tc_t_out_block32_mma_norms", True),
                                                ("intra_tc_t_out_block32_lean", True),
-                                               ("intra_tc_t_out_softplus_gva_lean", True)])
+                                               ("intra_tc_t_out_block32_tma_g", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -195,13 +195,19 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         off = 2 * 1 * 8 if "block32" in target else 2 * 3 * 8
         norms = 16 if "mma_norms" in target else 0  # Q Qᵀ and K Kᵀ for the row norms (PHASE1 "mma_norms")
         assert rep.count("wgmma.mma_async") == 16 + off + 8 + inv - (4 if no_v_u else 0) + norms
+        # q, k by TMA (PHASE1 "tma_qk", the default since session 27): two 64-column boxes each; g too (TMA_G)
+        tma_qk = not any(m in target for m in ("_lean", "pre26", "mma_norms"))
+        tma_g = "tma_g" in target
         # TMA stores: aqk, w and u (two 64-column boxes); t_out: T' beside Aqk instead of u
-        assert rep.count("cp.async.bulk.tensor") == (4 if "t_out" in target else 3 if no_v_u else 5)
-        # 16-byte accesses: 8 rows x q, k, v, g per thread
-        assert rep.count("ld.global.v4") >= (24 if no_v_u else 32) and rep.count("st.shared.v4") >= 24
+        assert rep.count("cp.async.bulk.tensor") == ((4 if "t_out" in target else 3 if no_v_u else 5)
+                                                     + (4 if tma_qk else 0) + (2 if tma_g else 0))
+        # 16-byte accesses: 8 rows x q, k, v, g per thread, less those that TMA brings
+        loads = (24 if no_v_u else 32) - (16 if tma_qk else 0) - (8 if tma_g else 0)
+        assert rep.count("ld.global.v4") >= loads and rep.count("st.shared.v4") >= 24
         if no_v_u and "gva" not in target:  # the 8 v loads per thread are gone
-            base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc")
-            assert rep.count("ld.global.v4") == base.count("ld.global.v4") - 8
+            base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc")  # q, k by TMA
+            want = base.count("ld.global.v4") - 8 + (0 if tma_qk else 16) - (8 if tma_g else 0)
+            assert rep.count("ld.global.v4") == want
         # the off-diagonal factor on the B side: 12 vectors of 8 per thread (4 packed bf16 products each)
         # form B'_1..3, and each row block's off-diagonal part is one SS product per A tile of N = 16, 32,
         # 48 (8 k-steps)
@@ -457,8 +463,9 @@ def test_factor_block_environment_is_checked_by_name(value):
 
 
 def test_factor_block_32_keeps_the_default_smem_and_fewer_registers():
-    """The 32-row mode's PTX: wgmma (one m64n32 off-diagonal product a matrix), no spills, at most the default's
-    registers; the kernel's shared memory is the same struct (two CTAs per SM)."""
+    """The 32-row mode's PTX: wgmma (one m64n32 off-diagonal product a matrix), no spills, registers within two
+    CTAs per SM (at most the 16-row build's until session 27; with q, k by TMA the 16-row build takes 188 against
+    196); the kernel's shared memory is the same struct (two CTAs per SM)."""
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
     from cula.kernels.sm90 import kda_fwd_intra_tc as tc
@@ -466,7 +473,7 @@ def test_factor_block_32_keeps_the_default_smem_and_fewer_registers():
     base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out")
     b32 = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32")
     assert b32.spill_bytes == 0 and "wgmma.mma_async" in b32.ptx
-    assert b32.kernels[0].registers <= base.kernels[0].registers
+    assert b32.kernels[0].registers <= 65536 // (2 * 128) - 1
     assert b32.ptx.count("wgmma.mma_async") < base.ptx.count("wgmma.mma_async")
     with pytest.raises(ValueError, match="CULA_KDA_TC_FACTOR_BLOCK"):
         tc.KdaFwdIntraTC(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
@@ -501,9 +508,9 @@ def test_row_norms_halving_equals_the_butterfly_bitwise():
 
 
 def test_phase1_lean_cuts_shuffles_and_registers():
-    """The lean phase 1 (session 26's; the default until session 27's TMA loads) against session 25's (PHASE1 "pre26"): 15 butterfly and 16 broadcast
-    shuffles instead of 64, one rsqrt per lane instead of 16, no more registers, no spills; the switch is checked
-    by name."""
+    """The lean phase 1 (session 26's; the default until session 27's TMA loads) against session 25's (PHASE1
+    "pre26"): 15 butterfly and 16 broadcast shuffles instead of 64, one rsqrt per lane instead of 16, no more
+    registers, no spills; the switch is checked by name."""
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
     from cula.kernels.sm90 import kda_fwd_intra_tc as tc
@@ -539,16 +546,15 @@ def test_phase1_mma_norms_moves_the_norms_onto_wgmma():
                          allow_neg_eigval=False, group=1, factor_block=16, phase1="mma_norms")
 
 
-@pytest.mark.parametrize("target", ["t_out_block32", "t_out_softplus_gva"])
-def test_phase1_tma_qk_loads_q_k_by_tma(target):
+def test_phase1_tma_qk_loads_q_k_by_tma():
     """PHASE1 "tma_qk" (the default): q and k arrive by four TMA box loads (two a tile) instead of 16 per-thread
     16-byte global loads; the threads read the 16 rows back from shared memory; same shared memory (the
     mbarrier sits in the struct's alignment padding), no spills."""
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
 
-    lean = ptx_report("cula.kernels.sm90.kda_fwd", f"intra_tc_{target}_lean")
-    tma = ptx_report("cula.kernels.sm90.kda_fwd", f"intra_tc_{target}")
+    lean = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_lean")
+    tma = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32")
     assert tma.ptx.count("cp.async.bulk.tensor") == lean.ptx.count("cp.async.bulk.tensor") + 4
     assert tma.ptx.count("ld.global.v4") == lean.ptx.count("ld.global.v4") - 16
     assert tma.ptx.count("ld.shared.v4") == lean.ptx.count("ld.shared.v4") + 16
@@ -558,6 +564,24 @@ def test_phase1_tma_qk_loads_q_k_by_tma(target):
     ptx = tma.ptx
     assert ptx.index("mbarrier.arrive.expect_tx") < ptx.index("bar.warp.sync") < ptx.index("elect.sync")
     assert tma.kernels[0].registers <= 255
+
+
+def test_tma_g_loads_g_by_tma():
+    """TMA_G (opt-in, needs tma_qk): a bf16 gate arrives by two more TMA boxes (into the X tile) instead of 8
+    per-thread 16-byte global loads; the threads read the 8 rows back from shared memory; no spills."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common.ptx_check import ptx_report
+    from cula.kernels.sm90 import kda_fwd_intra_tc as tc
+
+    base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32")
+    tma = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_tma_g")
+    assert tma.ptx.count("cp.async.bulk.tensor") == base.ptx.count("cp.async.bulk.tensor") + 2
+    assert tma.ptx.count("ld.global.v4") == base.ptx.count("ld.global.v4") - 8
+    assert tma.ptx.count("ld.shared.v4") == base.ptx.count("ld.shared.v4") + 8
+    assert tma.spill_bytes == 0 and tma.kernels[0].registers <= 255
+    with pytest.raises(ValueError, match="CULA_KDA_TC_TMA_G"):
+        tc.KdaFwdIntraTC(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
+                         allow_neg_eigval=False, group=1, phase1="lean", tma_g=True)
 
 
 def test_tc_factor_block_32_overflows_below_its_bound():
@@ -732,6 +756,33 @@ def test_gpu_tma_qk_equals_lean_and_ignores_later_sequences(monkeypatch, case):
     q_bad[:, 15:] = float("inf")
     k_bad[:, 15:] = float("inf")
     o2, ht2 = kda_fwd.kda_fwd(q_bad, k_bad, v, g, beta, **kw)
+    assert torch.isfinite(o[:, :15]).all() and torch.equal(o[:, :15], o2[:, :15])
+    assert torch.equal(ht[:2], ht2[:2])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", ["tc-varlen-zero", "tc-softplus-varlen-zero"])
+def test_gpu_tma_g_equals_the_default_and_ignores_later_sequences(monkeypatch, case):
+    """TMA_G loads a bf16 gate by TMA: a partial chunk's rows past its sequence are the next tokens there. Its
+    outputs are bitwise the default's, and NaN in every later sequence's g (which a zero factor would not
+    remove) leaves the first sequences' o and final states bitwise unchanged."""
+    from cula.kernels.sm90 import kda_fwd_check as chk
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+
+    (spec,) = [c for c in chk.CASES if c[0] == case]
+    args, kw = chk._inputs(*spec, dev=torch.device("cuda"))
+    monkeypatch.setattr(intra_tc, "PHASE1", "tma_qk")
+    monkeypatch.setattr(intra_tc, "TMA_G", False)
+    o, ht = kda_fwd.kda_fwd(*args, **kw)
+    monkeypatch.setattr(intra_tc, "TMA_G", True)
+    o1, ht1 = kda_fwd.kda_fwd(*args, **kw)
+    assert torch.equal(o, o1) and torch.equal(ht, ht1)
+    q, k, v, g, beta = args
+    assert g.dtype == torch.bfloat16
+    g_bad = g.clone()
+    g_bad[:, 15:] = float("nan")
+    o2, ht2 = kda_fwd.kda_fwd(q, k, v, g_bad, beta, **kw)
     assert torch.isfinite(o[:, :15]).all() and torch.equal(o[:, :15], o2[:, :15])
     assert torch.equal(ht[:2], ht2[:2])
 

@@ -71,6 +71,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         pre26) envs="CULA_KDA_TC_PHASE1=pre26" ;;
         mma_norms) envs="CULA_KDA_TC_PHASE1=mma_norms" ;;
         lean) envs="CULA_KDA_TC_PHASE1=lean" ;;
+        tma_g) envs="CULA_KDA_TC_TMA_G=1" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
@@ -306,6 +307,16 @@ for s in $steps; do
         step tma_qk_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "tma_qk"
         mode_splits tma_qk_split default lean default lean ;;
+    tma_g)  # session 27 (CPU-built): g by TMA too (CULA_KDA_TC_TMA_G=1): one case first (a hang costs 45 s), the
+        # checks, the GPU test (bitwise the default's outputs; NaN in later sequences' g reaches no earlier one),
+        # then against the default, twice in turn (<= 400 s; AOT tma_g_checks, tma_g_split)
+        step tma_g_sanity 45 env CULA_KDA_TC_TMA_G=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases tc-T1 || continue
+        step tma_g_check 220 env CULA_KDA_TC_TMA_G=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases $phase1_cases
+        step tma_g_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "tma_g"
+        mode_splits tma_g_split default tma_g default tma_g ;;
     one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, "Where
         # the time goes and what is next"), twice in turn (<= 120 s; AOT scenario diag_one_cta)
         mode_splits one_cta_split default one_cta default one_cta ;;

@@ -160,6 +160,12 @@ SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
 #: ``CULA_KDA_TC_PHASE1=lean`` for A/B.
 PHASE1_MODES = ("tma_qk", "lean", "pre26", "mma_norms")
 PHASE1 = __import__("os").environ.get("CULA_KDA_TC_PHASE1", PHASE1_MODES[0])
+#: g by TMA as well (session 27, opt-in, CPU-built; ``CULA_KDA_TC_TMA_G=1``; needs PHASE1 "tma_qk"): a bf16 gate's
+#: 64 rows land in the X tile (dead until phase 2 writes X) beside q and k, one more copy on the same mbarrier, and
+#: the threads read their rows back like q, k; the 8 per-thread 16-byte g loads and their addresses go. A last
+#: chunk's rows past the sequence's end are zeroed with q's and k's (a NaN there would survive the gate's zero
+#: factor). An fp32 gate keeps the per-thread loads.
+TMA_G = __import__("os").environ.get("CULA_KDA_TC_TMA_G", "0") == "1"
 #: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
 #: kda_fwd warns): which part of stage 1's time is memory. They apply to whichever stage 1 is the default
 #: (since session 18 u in stage 2's, ``t_out``). ``l2_loads``: every CTA reads its head's first rows (L2 hits
@@ -226,6 +232,7 @@ class KdaFwdIntraTC:
         subst: str = SUBST_MODES[0],
         factor_block: int = FACTOR_BLOCKS[0],
         phase1: str = PHASE1_MODES[0],
+        tma_g: bool = False,
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -265,6 +272,10 @@ class KdaFwdIntraTC:
         self.lean = phase1 != "pre26"  # PHASE1
         self.mma_norms = phase1 == "mma_norms"
         self.tma_qk = phase1 == "tma_qk"
+        if tma_g and not self.tma_qk:
+            raise ValueError(f"tma_g (CULA_KDA_TC_TMA_G): needs phase1 'tma_qk', got {phase1!r}")
+        self.tma_g = tma_g  # TMA_G; the kernel takes it for a bf16 gate only (g_by_tma)
+        self.g_by_tma = False  # set per compile in __call__ from g's dtype
         if self.mma_norms and factor_block != 32:
             raise ValueError(f"phase1 (CULA_KDA_TC_PHASE1): mma_norms needs 32-row factor blocks, got {factor_block}")
         if factor_block not in FACTOR_BLOCKS:
@@ -335,7 +346,8 @@ class KdaFwdIntraTC:
         tma_w, tW = cpasync.make_tiled_tma_atom(s2g, mW, w_one, (CHUNK, DK))
         tma_u, tU = cpasync.make_tiled_tma_atom(s2g, mU, w_one, (CHUNK, DV))
         tma_aqk, tAqk = cpasync.make_tiled_tma_atom(s2g, mAqk, aqk_one, (CHUNK, CHUNK))
-        tma_q = tQ = tma_k = tK = None
+        tma_q = tQ = tma_k = tK = tma_g = tG = None
+        self.g_by_tma = self.tma_g and pG.dtype.width == 16
         if cutlass.const_expr(self.tma_qk):
             # q, k as (token, d, head): a box is one head's 64 rows from any first token into a Qa / Ka tile
             g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -343,6 +355,9 @@ class KdaFwdIntraTC:
             qk = cute.make_layout((total_tokens, DK, num_heads), stride=(num_heads * DK, 1, DK))
             tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, cute.make_tensor(pQ, qk), a_one, (CHUNK, DK))
             tma_k, tK = cpasync.make_tiled_tma_atom(g2s, cute.make_tensor(pK, qk), a_one, (CHUNK, DK))
+            if cutlass.const_expr(self.g_by_tma):  # g as (token, d, value head), into the X tile as a K-major tile
+                gl = cute.make_layout((total_tokens, DK, num_heads_v), stride=(num_heads_v * DK, 1, DK))
+                tma_g, tG = cpasync.make_tiled_tma_atom(g2s, cute.make_tensor(pG, gl), a_one, (CHUNK, DK))
 
         kmode = warpgroup.OperandMajorMode.K
         mnmode = warpgroup.OperandMajorMode.MN
@@ -359,7 +374,7 @@ class KdaFwdIntraTC:
         self.shared_storage = SharedStorage
         self.kernel(
             pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam,
-            tma_w, tW, tma_u, tU, tma_aqk, tAqk, tma_q, tQ, tma_k, tK,
+            tma_w, tW, tma_u, tU, tma_aqk, tAqk, tma_q, tQ, tma_k, tK, tma_g, tG,
             mma_diag, mma_offs[0], mma_offs[1], mma_offs[2], mma_wu,
             self.a_layout, self.kt_layout, kb_layouts[0], kb_layouts[1], kb_layouts[2], self.x_layout,
             self.tb_layout, self.w_layout, self.aqk_layout,
@@ -411,6 +426,8 @@ class KdaFwdIntraTC:
         tQ,
         tma_k,
         tK,
+        tma_g,  # TMA_G: the g load's atom and tensor (None otherwise)
+        tG,
         mma_diag: cute.TiledMma,
         mma_off1: cute.TiledMma,
         mma_off2: cute.TiledMma,
@@ -439,7 +456,8 @@ class KdaFwdIntraTC:
         if chunks[chunk, 1] > 0:
             self.chunk_body(
                 pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW,
-                tma_u, tU, tma_aqk, tAqk, tma_q, tQ, tma_k, tK, mma_diag, mma_off1, mma_off2, mma_off3, mma_wu,
+                tma_u, tU, tma_aqk, tAqk, tma_q, tQ, tma_k, tK, tma_g, tG, mma_diag, mma_off1, mma_off2, mma_off3,
+                mma_wu,
                 a_layout, kt_layout, kb1_layout, kb2_layout, kb3_layout, x_layout, tb_layout, w_layout, aqk_layout, H,
                 HV, NC, scale, lower_bound,
             )
@@ -632,6 +650,8 @@ class KdaFwdIntraTC:
         tQ,
         tma_k,
         tK,
+        tma_g,  # TMA_G: the g load's atom and tensor (None otherwise)
+        tG,
         mma_diag: cute.TiledMma,
         mma_off1: cute.TiledMma,
         mma_off2: cute.TiledMma,
@@ -739,15 +759,23 @@ class KdaFwdIntraTC:
         mbar = None
         if cutlass.const_expr(self.tma_qk):  # q and k straight into the Qa / Ka tiles, issued first
             mbar = st.sMbar.data_ptr()
+            s_g = sX  # TMA_G: the X tile, read as a K-major tile (dead until phase 2 writes X)
+            if cutlass.const_expr(self.g_by_tma):
+                s_g = st.sX.get_tensor(a_layout.outer, swizzle=a_layout.inner)
             if warp == 0:  # a TMA copy is issued by a whole warp (it elects its one issuing lane)
                 if lane == 0:
                     cute.arch.mbarrier_init(mbar, 1)
                     cute.arch.mbarrier_init_fence()
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, 2 * CHUNK * DK * BF16.width // 8)
+                    n_tiles = 3 if cutlass.const_expr(self.g_by_tma) else 2
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, n_tiles * CHUNK * DK * BF16.width // 8)
                 cute.arch.sync_warp()
                 one = cute.make_layout(1)
-                for tma_x, t_x, s_x in ((tma_q, tQ, sQa), (tma_k, tK, sKa)):
-                    g_x = cute.local_tile(cute.domain_offset((tok0, 0), t_x[None, None, hq]), (CHUNK, DK), (None, 0))
+                loads = [(tma_q, tQ, sQa, hq), (tma_k, tK, sKa, hq)]
+                if cutlass.const_expr(self.g_by_tma):
+                    loads.append((tma_g, tG, s_g, hv))
+                for tma_x, t_x, s_x, head in loads:
+                    g_x = cute.local_tile(cute.domain_offset((tok0, 0), t_x[None, None, head]), (CHUNK, DK),
+                                          (None, 0))
                     ts_x, tg_x = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(s_x, 0, 2),
                                                        cute.group_modes(g_x, 0, 2))
                     cute.copy(tma_x, tg_x[None, 0], ts_x[None, 0], tma_bar_ptr=mbar)
@@ -760,7 +788,8 @@ class KdaFwdIntraTC:
                 raw_k[rr, None].store(_vec(pK, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
             if cutlass.const_expr(not self.skip_vu):
                 raw_v[rr, None].store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load())
-            raw_g[rr, None].store(_vec(pG, (tok * HV + hv) * DK + d0, COLS_PER_THREAD).load())
+            if cutlass.const_expr(not self.g_by_tma):
+                raw_g[rr, None].store(_vec(pG, (tok * HV + hv) * DK + d0, COLS_PER_THREAD).load())
         if cutlass.const_expr(self.prefetch_ahead > 0):
             self.prefetch_later_chunk(pQ, pK, pV, pG, pChunks, tidx, chunk, hv, H, HV, NC)
         if tidx < CHUNK:
@@ -790,9 +819,13 @@ class KdaFwdIntraTC:
                     if r0 + rr >= nvalid:  # another sequence's token (or TMA's zeros): this thread's part of it
                         _st8(a_layout, qa_raw, (r0 + rr, d0, 0), zero8)
                         _st8(a_layout, ka_raw, (r0 + rr, d0, 0), zero8)
+                        if cutlass.const_expr(self.g_by_tma):
+                            _st8(a_layout, x_raw, (r0 + rr, d0, 0), zero8)
             for rr in cutlass.range_constexpr(rpt):
                 _ld8(a_layout, qa_raw, (r0 + rr, d0, 0), raw_q[rr, None])
                 _ld8(a_layout, ka_raw, (r0 + rr, d0, 0), raw_k[rr, None])
+                if cutlass.const_expr(self.g_by_tma):
+                    _ld8(a_layout, x_raw, (r0 + rr, d0, 0), raw_g[rr, None])
         acc_n = None
         if cutlass.const_expr(self.mma_norms):
             # the raw q, k tiles first, so that the norm products run on the tensor pipe beside the gate work
@@ -1589,11 +1622,10 @@ def compile_targets():
         "t_out_block32_pre26": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="pre26"),
         # the row norms by wgmma (PHASE1 "mma_norms", opt-in)
         "t_out_block32_mma_norms": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="mma_norms"),
-        # session 26's phase 1 (q, k by per-thread loads; PHASE1 "lean"), with 32-row blocks and the softplus gate's
-        # 16-row ones
+        # session 26's phase 1 (q, k by per-thread loads; PHASE1 "lean")
         "t_out_block32_lean": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="lean"),
-        "t_out_softplus_gva_lean": build(cutlass.BFloat16, **{**full, "group": 2}, softplus_gate=True, t_out=True,
-                                         phase1="lean"),
+        # g by TMA too (TMA_G, opt-in)
+        "t_out_block32_tma_g": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, tma_g=True),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
