@@ -102,19 +102,6 @@ def test_phase1_checks_every_gate_form_then_splits_against_pre26(tmp_path):
     assert [("CULA_KDA_TC_PHASE1=pre26" in c) for c in splits] == [False, True] * 2
 
 
-def test_mma_norms_checks_then_splits_against_the_default(tmp_path):
-    from cula.kernels.sm90.kda_fwd_check import CASES
-
-    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "mma_norms")
-    check = cmds[0]
-    assert "CULA_KDA_TC_PHASE1=mma_norms" in check and "--no-bench" in check
-    names = check.split("--cases ")[1].split()[0].split(",")
-    assert set(names) <= {c[0] for c in CASES} and len(names) == 9
-    splits = cmds[1:]
-    assert len(splits) == 4 and all("--split worst" in c for c in splits)
-    assert [("CULA_KDA_TC_PHASE1=mma_norms" in c) for c in splits] == [False, True] * 2
-
-
 def test_tma_qk_checks_gpu_test_then_splits_against_lean(tmp_path):
     from cula.kernels.sm90.kda_fwd_check import CASES
 

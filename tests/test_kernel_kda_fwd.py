@@ -126,7 +126,6 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_t_out_direct_left", True),
                                                ("intra_tc_t_out_block32", True),
                                                ("intra_tc_t_out_block32_pre26", True),
-                                               ("intra_tc_t_out_block32_mma_norms", True),
                                                ("intra_tc_t_out_block32_lean", True),
                                                ("intra_tc_t_out_block32_tma_g", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
@@ -193,10 +192,9 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         assert rep.count("griddepcontrol.launch_dependents") == 1
         # 32-row factor blocks: one m64n32 off-diagonal product per matrix instead of three
         off = 2 * 1 * 8 if "block32" in target else 2 * 3 * 8
-        norms = 16 if "mma_norms" in target else 0  # Q Qᵀ and K Kᵀ for the row norms (PHASE1 "mma_norms")
-        assert rep.count("wgmma.mma_async") == 16 + off + 8 + inv - (4 if no_v_u else 0) + norms
+        assert rep.count("wgmma.mma_async") == 16 + off + 8 + inv - (4 if no_v_u else 0)
         # q, k by TMA (PHASE1 "tma_qk", the default since session 27): two 64-column boxes each; g too (TMA_G)
-        tma_qk = not any(m in target for m in ("_lean", "pre26", "mma_norms"))
+        tma_qk = not any(m in target for m in ("_lean", "pre26"))
         tma_g = "tma_g" in target
         # TMA stores: aqk, w and u (two 64-column boxes); t_out: T' beside Aqk instead of u
         assert rep.count("cp.async.bulk.tensor") == ((4 if "t_out" in target else 3 if no_v_u else 5)
@@ -256,8 +254,6 @@ def test_tc_layout_facts():
     # the m64n(16 I) fragments are prefixes of the m64n64 one; B'_I rows as 16-byte vectors
     assert facts["offdiag_prefix_mismatches"] == 0 and facts["offdiag_b_vector_mismatches"] == 0
     assert facts["x_is_a_transposed"] and facts["w_staging_is_a"] and facts["tb_is_aqk_staging"]
-    # mma_norms: the diagonal picks' C-fragment formula, and the Qa / Ka tiles read as B operands
-    assert facts["c64_formula_mismatches"] == 0 and facts["a_tile_is_kt_tile"]
     assert {v for k, v in facts.items() if k.startswith("swizzle_")} == {"S<3,4,3>"}
 
 
@@ -524,26 +520,6 @@ def test_phase1_lean_cuts_shuffles_and_registers():
     with pytest.raises(ValueError, match="CULA_KDA_TC_PHASE1"):
         tc.KdaFwdIntraTC(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
                          allow_neg_eigval=False, group=1, phase1="fast")
-
-
-def test_phase1_mma_norms_moves_the_norms_onto_wgmma():
-    """PHASE1 "mma_norms" (opt-in): no l2 sums in phase 1 (no butterfly shuffles), the two norm products (16 more
-    wgmma), fewer registers than the lean phase 1, no spills; 32-row factor blocks only. The products are issued
-    behind the raw tiles' barrier, before the gate's work (its 64 reciprocals a thread), so they run beside it."""
-    pytest.importorskip("cutlass")
-    from cula.kernels.common.ptx_check import ptx_report
-    from cula.kernels.sm90 import kda_fwd_intra_tc as tc
-
-    lean = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_lean")
-    mma = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_mma_norms")
-    assert mma.ptx.count("shfl.sync.bfly") == 0 and mma.spill_bytes == 0
-    assert mma.ptx.count("wgmma.mma_async") == lean.ptx.count("wgmma.mma_async") + 16
-    assert mma.kernels[0].registers <= lean.kernels[0].registers
-    head = mma.ptx[:mma.ptx.index("wgmma.mma_async")]
-    assert head.count("bar.sync") == 1 and head.count("rcp.approx") == 0 < mma.ptx.count("rcp.approx")
-    with pytest.raises(ValueError, match="mma_norms needs 32-row"):
-        tc.KdaFwdIntraTC(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
-                         allow_neg_eigval=False, group=1, factor_block=16, phase1="mma_norms")
 
 
 def test_phase1_tma_qk_loads_q_k_by_tma():

@@ -179,9 +179,6 @@ SCENARIOS = {
     "block16_split": ("split", {"intra_tc.FACTOR_BLOCK": 16}),
     # device_round phase1: session 25's phase 1 (butterfly l2 sums, PHASE1) in the split rows
     "pre26_split": ("split", {"intra_tc.PHASE1": "pre26"}),
-    # device_round mma_norms: the row norms by wgmma (PHASE1 "mma_norms", opt-in) in checks and splits
-    "mma_norms_checks": ("tc", {"intra_tc.PHASE1": "mma_norms"}),
-    "mma_norms_split": ("split", {"intra_tc.PHASE1": "mma_norms"}),
     # device_round tma_qk: session 26's phase 1 (PHASE1 "lean": q, k by per-thread loads) in the GPU test's calls
     # (the check cases') and the splits, against the default (q, k by TMA)
     "lean_checks": ("tc", {"intra_tc.PHASE1": "lean"}),

@@ -69,7 +69,6 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         no_stores) envs="CULA_KDA_TC_DIAG=no_qg_kgt,no_wu_store,no_aqk_store" ;;
         one_cta_no_stores) envs="CULA_KDA_TC_DIAG=one_cta,no_qg_kgt,no_wu_store,no_aqk_store" ;;
         pre26) envs="CULA_KDA_TC_PHASE1=pre26" ;;
-        mma_norms) envs="CULA_KDA_TC_PHASE1=mma_norms" ;;
         lean) envs="CULA_KDA_TC_PHASE1=lean" ;;
         tma_g) envs="CULA_KDA_TC_TMA_G=1" ;;
         esac
@@ -293,12 +292,6 @@ for s in $steps; do
         # log-space), then against session 25's phase 1 (pre26), twice in turn (<= 340 s; AOT checks, pre26_split)
         step phase1_check 260 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $phase1_cases
         mode_splits phase1_split default pre26 default pre26 ;;
-    mma_norms)  # session 26 (CPU-built, not yet run on a GPU): the row norms by wgmma (CULA_KDA_TC_PHASE1=mma_norms;
-        # 32-row blocks only, the softplus case keeps the lean phase 1) through the checks, then against the lean
-        # default, twice in turn (<= 300 s; AOT mma_norms_checks, mma_norms_split)
-        step mma_norms_check 220 env CULA_KDA_TC_PHASE1=mma_norms python3 -u -m cula.kernels.sm90.kda_fwd --check \
-            --no-bench --cases $phase1_cases
-        mode_splits mma_norms_split default mma_norms default mma_norms ;;
     tma_qk)  # session 27: q and k by TMA into the Qa / Ka tiles (the default since its first run) through the checks,
         # the GPU test (bitwise the lean phase 1's outputs; Inf in later sequences' q, k reaches no earlier one),
         # then against session 26's phase 1 (CULA_KDA_TC_PHASE1=lean), twice in turn (<= 360 s; AOT lean_checks,

@@ -641,8 +641,7 @@ def kda_fwd(
         if intra_tc.SUBST != intra_tc.SUBST_MODES[0]:
             tc_flags.update(subst=intra_tc.SUBST)
         block = factor_block(lb, softplus_tc, log_tc)
-        # mma_norms stores the norms where 16-row blocks keep their pair factors: those calls keep the default
-        if intra_tc.PHASE1 != intra_tc.PHASE1_MODES[0] and (intra_tc.PHASE1 != "mma_norms" or block == 32):
+        if intra_tc.PHASE1 != intra_tc.PHASE1_MODES[0]:
             tc_flags.update(phase1=intra_tc.PHASE1)
         if block != intra_tc.FACTOR_BLOCKS[0]:
             tc_flags.update(factor_block=block)

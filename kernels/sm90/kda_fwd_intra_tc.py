@@ -143,22 +143,17 @@ SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
 #: (31 shuffles and one rsqrt per lane instead of a butterfly's 64 shuffles and 16 rsqrt; the same sums, bitwise),
 #: the lower-bounded gate's exponent as one FFMA and the group totals as 16-byte stores: SASS 4,928 -> 4,736, 201 ->
 #: 197 registers (t_out, 32-row blocks). "pre26" is session 25's phase 1 (PTX byte-identical): A/B runs only,
-#: ``CULA_KDA_TC_PHASE1=pre26``. "mma_norms" (opt-in; 32-row blocks only, the host keeps "lean" for 16-row ones)
-#: drops the l2 sums from phase 1: the norms are the diagonals of Q Qᵀ and K Kᵀ, two SS wgmma products on the raw
-#: q, k tiles, waited for after the column pass. Session 27 (H100): issued after phase 1's barrier, nine checks
-#: PASS but stage 1 no faster (B2 T16384 1.687-1.694 against 1.688 ms; n20 +1 to +2%): the wait took ~1,250
-#: cycles a chunk (clock), more than phase 1 and 2 lost. Since then the raw tiles are written first and the
-#: products issued behind one more barrier, so they run beside the gate work: B2 T16384 −1.1% (1.672 against
-#: 1.691 ms), n20 +1 to +3%; the two m64n64k128 products cost ~1,000 tensor-pipe cycles a chunk, no longer free.
+#: ``CULA_KDA_TC_PHASE1=pre26``. ("mma_norms", the row norms as the diagonals of two wgmma products Q Qᵀ, K Kᵀ,
+#: was measured in session 27 and removed: −1.1% at B2 T16384 at best, +1 to +3% on the n20 rows; kda_fwd.md.)
 #: "tma_qk" (session 27) is the lean phase 1 with q and k arriving by TMA straight into the Qa / Ka tiles
-#: (one thread, two copies, an mbarrier): no per-thread global loads, address arithmetic or raw-tile stores for
+#: (warp 0, two copies, an mbarrier): no per-thread global loads, address arithmetic or raw-tile stores for
 #: them; the threads read their rows back from shared memory for the l2 sums. Rows past a partial chunk's end are
 #: the next tokens there (zeros past the tensor): in a sequence's last chunk each thread zeroes its own part of
 #: them before reading, so nothing of another sequence is multiplied (by zero: Inf would make NaN). Outputs bitwise
 #: the lean phase 1's. H100, session 27 (`--split worst`, twice each against lean): stage 1 −3.5% at B2 T16384
 #: (1.691 -> 1.632 ms), −2.1 / −3.1 / −3.4% on the uniform / random / skewed n20 rows; nine checks PASS.
 #: ``CULA_KDA_TC_PHASE1=lean`` for A/B.
-PHASE1_MODES = ("tma_qk", "lean", "pre26", "mma_norms")
+PHASE1_MODES = ("tma_qk", "lean", "pre26")
 PHASE1 = __import__("os").environ.get("CULA_KDA_TC_PHASE1", PHASE1_MODES[0])
 #: g by TMA as well (session 27, opt-in, CPU-built; ``CULA_KDA_TC_TMA_G=1``; needs PHASE1 "tma_qk"): a bf16 gate's
 #: 64 rows land in the X tile (dead until phase 2 writes X) beside q and k, one more copy on the same mbarrier, and
@@ -270,14 +265,11 @@ class KdaFwdIntraTC:
         if phase1 not in PHASE1_MODES:
             raise ValueError(f"phase1 (CULA_KDA_TC_PHASE1): expected one of {PHASE1_MODES}, got {phase1!r}")
         self.lean = phase1 != "pre26"  # PHASE1
-        self.mma_norms = phase1 == "mma_norms"
         self.tma_qk = phase1 == "tma_qk"
         if tma_g and not self.tma_qk:
             raise ValueError(f"tma_g (CULA_KDA_TC_TMA_G): needs phase1 'tma_qk', got {phase1!r}")
         self.tma_g = tma_g  # TMA_G; the kernel takes it for a bf16 gate only (g_by_tma)
         self.g_by_tma = False  # set per compile in __call__ from g's dtype
-        if self.mma_norms and factor_block != 32:
-            raise ValueError(f"phase1 (CULA_KDA_TC_PHASE1): mma_norms needs 32-row factor blocks, got {factor_block}")
         if factor_block not in FACTOR_BLOCKS:
             raise ValueError(f"factor_block (CULA_KDA_TC_FACTOR_BLOCK): expected one of {FACTOR_BLOCKS}, "
                              f"got {factor_block!r}")
@@ -520,43 +512,6 @@ class KdaFwdIntraTC:
         for m in cutlass.range_constexpr(2 * ROWS_PER_THREAD):
             # 16-lane segments (c = 0x101F): the source is lane bitrev4(m) of this lane's half-warp
             ssq[m] = cute.arch.shuffle_sync(own, offset=_bitrev4(m), mask_and_clamp=0x101F)
-
-    @cute.jit
-    def issue_norm_products(self, mma: cute.TiledMma, st, a_layout: cute.ComposedLayout,
-                            kt_layout: cute.ComposedLayout, tidx):
-        """``phase1="mma_norms"``: issue Q Qᵀ and K Kᵀ (SS m64n64k128, one group) on the raw bf16 q, k tiles that
-        phase 1 wrote to Qa / Ka first, each tile both the A operand and, through the K̃ tile's layout, the B one.
-        bf16 products are exact in the fp32 accumulator, so the diagonals are the rows' Σx² up to the summation
-        order. Returns the two accumulators (64 registers a thread until :meth:`store_norms`)."""
-        thr = mma.get_slice(tidx)
-        accs = []
-        warpgroup.fence()
-        for src in (st.sQa, st.sKa):
-            t_a = thr.make_fragment_A(thr.partition_A(src.get_tensor(a_layout.outer, swizzle=a_layout.inner)))
-            t_b = thr.make_fragment_B(thr.partition_B(src.get_tensor(kt_layout.outer, swizzle=kt_layout.inner)))
-            acc = thr.make_fragment_C(thr.partition_shape_C((CHUNK, CHUNK)))
-            _gemm_ss(mma, acc, t_a, t_b)
-            accs.append(acc)
-        warpgroup.commit_group()
-        return accs
-
-    @cute.jit
-    def store_norms(self, accs: list, sNorm: cute.Tensor, warp, lane):
-        """sNorm[x, i] <- 1 / sqrt(acc_x[i, i] + eps) from the thread that holds the diagonal element (i, i).
-
-        Value e = b + 2h + 4j of thread (warp w, lane l) is (16w + l/4 + 8h, 8j + 2(l%4) + b) (``layout_facts``:
-        c64_formula_mismatches), so (i, i) sits at j = 2w + h, b = l/4 − 2(l%4), in the lanes where that b is 0
-        or 1: each of them holds two diagonal values a product (h = 0, 1), picked by the warp index."""
-        b_sel = lane // 4 - 2 * (lane % 4)
-        for x in cutlass.range_constexpr(2):
-            for h in cutlass.range_constexpr(2):
-                v = [accs[x][b + 6 * h] for b in range(2)]  # warp 0: e = b + 2h + 4(2 * 0 + h)
-                for w in cutlass.range_constexpr(1, NBLK):
-                    for b in cutlass.range_constexpr(2):
-                        v[b] = cutlass.select_(warp == w, accs[x][b + 6 * h + 8 * w], v[b])
-                d = cutlass.select_(b_sel == 1, v[1], v[0])
-                if b_sel == 0 or b_sel == 1:
-                    sNorm[x, SUB * warp + lane // 4 + 8 * h] = cute.math.rsqrt(d + F32(L2NORM_EPS))
 
     @cute.jit
     def column_pass(self, sTot: cute.Tensor, sFirst: cute.Tensor, sC: cute.Tensor, col):
@@ -826,15 +781,6 @@ class KdaFwdIntraTC:
                 _ld8(a_layout, ka_raw, (r0 + rr, d0, 0), raw_k[rr, None])
                 if cutlass.const_expr(self.g_by_tma):
                     _ld8(a_layout, x_raw, (r0 + rr, d0, 0), raw_g[rr, None])
-        acc_n = None
-        if cutlass.const_expr(self.mma_norms):
-            # the raw q, k tiles first, so that the norm products run on the tensor pipe beside the gate work
-            for rr in cutlass.range_constexpr(rpt):
-                _st8(a_layout, qa_raw, (r0 + rr, d0, 0), raw_q[rr, None])
-                _st8(a_layout, ka_raw, (r0 + rr, d0, 0), raw_k[rr, None])
-            cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-            cute.arch.sync_threads()
-            acc_n = self.issue_norm_products(mma_diag, st, a_layout, kt_layout, tidx)
         for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
             keep = F32(1.0)
@@ -846,7 +792,7 @@ class KdaFwdIntraTC:
             xk.store(raw_k[rr, None].load().to(F32))
             xg.store(raw_g[rr, None].load().to(F32))
             # raw q, k, v to their tiles (q and k are rewritten in place in phase 2)
-            if cutlass.const_expr(not self.mma_norms and not self.tma_qk):
+            if cutlass.const_expr(not self.tma_qk):
                 _st8(a_layout, qa_raw, (r, d0, 0), raw_q[rr, None])
                 _st8(a_layout, ka_raw, (r, d0, 0), raw_k[rr, None])
             if cutlass.const_expr(not self.skip_vu):
@@ -885,7 +831,7 @@ class KdaFwdIntraTC:
             ssq[rr] = sq
             ssq[rpt + rr] = sk
         if cutlass.const_expr(self.lean):
-            if cutlass.const_expr(self.use_qk_l2norm and not self.mma_norms):
+            if cutlass.const_expr(self.use_qk_l2norm):
                 self.row_norms(ssq, lane)
             cute.autovec_copy(gl[rpt - 1, None], _vec(sTot.iterator, grp * DK + d0, COLS_PER_THREAD))
             if grp % GROUPS_PER_BLOCK == 0:
@@ -912,13 +858,6 @@ class KdaFwdIntraTC:
         # in row groups, and the off-diagonal factors 2^(C_I − E_J); then every thread reads the few
         # prefixes it needs as 16-byte vectors (instead of selecting them out of a 64-step scan)
         self.column_pass(sTot, sFirst, sC, tidx)
-        sNorm = None
-        if cutlass.const_expr(self.mma_norms):
-            # 1 / ‖x‖ of the 64 q rows and 64 k rows, fp32, in the pair factors' array (unused with 32-row blocks)
-            sNorm = cute.make_tensor(cute.recast_ptr(sC.iterator, dtype=F32),
-                                     cute.make_layout((2, CHUNK), stride=(CHUNK, 1)))
-            warpgroup.wait_group(0)
-            self.store_norms(acc_n, sNorm, warp, lane)
         cute.arch.sync_threads()
         self.stamp(ts, "column_pass", tidx)
         pre = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # Γ before row 8 grp
@@ -973,10 +912,7 @@ class KdaFwdIntraTC:
             nq = scale * keep
             nk = keep
             if cutlass.const_expr(self.use_qk_l2norm):
-                if cutlass.const_expr(self.mma_norms):
-                    nq = nq * sNorm[0, r]
-                    nk = nk * sNorm[1, r]
-                elif cutlass.const_expr(self.lean):
+                if cutlass.const_expr(self.lean):
                     nq = nq * ssq[rr]
                     nk = nk * ssq[rpt + rr]
                 else:
@@ -1620,8 +1556,6 @@ def compile_targets():
         "t_out_block32_direct": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, gate_factors="direct"),
         # session 25's phase 1 on the default stage 1 (PHASE1; PTX byte-identical to 3a1c8de's t_out_block32)
         "t_out_block32_pre26": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="pre26"),
-        # the row norms by wgmma (PHASE1 "mma_norms", opt-in)
-        "t_out_block32_mma_norms": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="mma_norms"),
         # session 26's phase 1 (q, k by per-thread loads; PHASE1 "lean")
         "t_out_block32_lean": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="lean"),
         # g by TMA too (TMA_G, opt-in)
@@ -1789,22 +1723,6 @@ def layout_facts() -> dict:
             for p in range(cute.size(a_regs)):
                 bad_a += int(coord(p, a_ref) != coord(int(a_regs(cute.idx2crd(p, a_regs.shape))), c128))
         facts["a_register_mismatches"] = bad_a
-        # store_norms' formula for the m64n64 C fragment: value e = b + 2h + 4j of thread t is
-        # (16 (t / 32) + (t % 32) / 4 + 8h, 8j + 2 (t % 4) + b)
-        bad_c = 0
-        for t in range(THREADS):
-            part = diag.get_slice(t).partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
-            base = tuple(int(x) for x in part.iterator)  # the thread's first coordinate; the layout adds offsets
-            for e in range(cute.size(part.layout)):
-                b, h, j = e % 2, (e // 2) % 2, e // 4
-                want = (SUB * (t // 32) + (t % 32) // 4 + 8 * h, 8 * j + 2 * (t % 4) + b)
-                got = tuple(x + y for x, y in zip(base, coord(e, part.layout)))
-                bad_c += int(got != want)
-        facts["c64_formula_mismatches"] = bad_c
-        # mma_norms reads the Qa / Ka tiles as B operands through the K̃ tile's layout
-        a_lay = sm90_utils.make_smem_layout_a(kmaj, (CHUNK, CHUNK, DK), BF16, 1)
-        kt_lay = sm90_utils.make_smem_layout_b(kmaj, (CHUNK, CHUNK, DK), BF16, 1)
-        facts["a_tile_is_kt_tile"] = str(a_lay) == str(kt_lay)
         # value e of the m64n(16 I) product is value e of the m64n64 one (a prefix), and
         # the B'_I tiles keep 8 consecutive columns of a row as one 16-byte vector (_ld8 / _st8)
         bad_prefix = 0
