@@ -522,39 +522,40 @@ def test_phase1_lean_cuts_shuffles_and_registers():
                          allow_neg_eigval=False, group=1, phase1="fast")
 
 
+def _assert_rows_moved_to_tma(before: str, after: str, boxes: int, rows: int):
+    """``after``'s PTX issues ``boxes`` more TMA box loads than ``before``'s and ``rows`` fewer per-thread 16-byte
+    global loads, reading those rows back from shared memory instead; no spills, registers within 255."""
+    from cula.kernels.common.ptx_check import ptx_report
+
+    base = ptx_report("cula.kernels.sm90.kda_fwd", before)
+    tma = ptx_report("cula.kernels.sm90.kda_fwd", after)
+    assert tma.ptx.count("cp.async.bulk.tensor") == base.ptx.count("cp.async.bulk.tensor") + boxes
+    assert tma.ptx.count("ld.global.v4") == base.ptx.count("ld.global.v4") - rows
+    assert tma.ptx.count("ld.shared.v4") == base.ptx.count("ld.shared.v4") + rows
+    assert tma.spill_bytes == 0 and tma.kernels[0].registers <= 255
+    return tma
+
+
 def test_phase1_tma_qk_loads_q_k_by_tma():
     """PHASE1 "tma_qk" (the default): q and k arrive by four TMA box loads (two a tile) instead of 16 per-thread
     16-byte global loads; the threads read the 16 rows back from shared memory; same shared memory (the
     mbarrier sits in the struct's alignment padding), no spills."""
     pytest.importorskip("cutlass")
-    from cula.kernels.common.ptx_check import ptx_report
-
-    lean = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_lean")
-    tma = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32")
-    assert tma.ptx.count("cp.async.bulk.tensor") == lean.ptx.count("cp.async.bulk.tensor") + 4
-    assert tma.ptx.count("ld.global.v4") == lean.ptx.count("ld.global.v4") - 16
-    assert tma.ptx.count("ld.shared.v4") == lean.ptx.count("ld.shared.v4") + 16
-    assert tma.ptx.count("mbarrier.try_wait") >= 1 and tma.spill_bytes == 0
+    tma = _assert_rows_moved_to_tma("intra_tc_t_out_block32_lean", "intra_tc_t_out_block32", boxes=4, rows=16)
+    assert tma.ptx.count("mbarrier.try_wait") >= 1
     # the copies elect their lane over the full warp: issued after lane 0's mbarrier setup rejoins the warp (from
     # lane 0 alone they hung on the H100)
     ptx = tma.ptx
     assert ptx.index("mbarrier.arrive.expect_tx") < ptx.index("bar.warp.sync") < ptx.index("elect.sync")
-    assert tma.kernels[0].registers <= 255
 
 
 def test_tma_g_loads_g_by_tma():
     """TMA_G (opt-in, needs tma_qk): a bf16 gate arrives by two more TMA boxes (into the X tile) instead of 8
     per-thread 16-byte global loads; the threads read the 8 rows back from shared memory; no spills."""
     pytest.importorskip("cutlass")
-    from cula.kernels.common.ptx_check import ptx_report
     from cula.kernels.sm90 import kda_fwd_intra_tc as tc
 
-    base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32")
-    tma = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_tma_g")
-    assert tma.ptx.count("cp.async.bulk.tensor") == base.ptx.count("cp.async.bulk.tensor") + 2
-    assert tma.ptx.count("ld.global.v4") == base.ptx.count("ld.global.v4") - 8
-    assert tma.ptx.count("ld.shared.v4") == base.ptx.count("ld.shared.v4") + 8
-    assert tma.spill_bytes == 0 and tma.kernels[0].registers <= 255
+    _assert_rows_moved_to_tma("intra_tc_t_out_block32", "intra_tc_t_out_block32_tma_g", boxes=2, rows=8)
     with pytest.raises(ValueError, match="CULA_KDA_TC_TMA_G"):
         tc.KdaFwdIntraTC(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
                          allow_neg_eigval=False, group=1, phase1="lean", tma_g=True)

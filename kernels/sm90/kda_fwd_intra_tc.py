@@ -269,7 +269,6 @@ class KdaFwdIntraTC:
         if tma_g and not self.tma_qk:
             raise ValueError(f"tma_g (CULA_KDA_TC_TMA_G): needs phase1 'tma_qk', got {phase1!r}")
         self.tma_g = tma_g  # TMA_G; the kernel takes it for a bf16 gate only (g_by_tma)
-        self.g_by_tma = False  # set per compile in __call__ from g's dtype
         if factor_block not in FACTOR_BLOCKS:
             raise ValueError(f"factor_block (CULA_KDA_TC_FACTOR_BLOCK): expected one of {FACTOR_BLOCKS}, "
                              f"got {factor_block!r}")
@@ -339,7 +338,6 @@ class KdaFwdIntraTC:
         tma_u, tU = cpasync.make_tiled_tma_atom(s2g, mU, w_one, (CHUNK, DV))
         tma_aqk, tAqk = cpasync.make_tiled_tma_atom(s2g, mAqk, aqk_one, (CHUNK, CHUNK))
         tma_q = tQ = tma_k = tK = tma_g = tG = None
-        self.g_by_tma = self.tma_g and pG.dtype.width == 16
         if cutlass.const_expr(self.tma_qk):
             # q, k as (token, d, head): a box is one head's 64 rows from any first token into a Qa / Ka tile
             g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -347,7 +345,7 @@ class KdaFwdIntraTC:
             qk = cute.make_layout((total_tokens, DK, num_heads), stride=(num_heads * DK, 1, DK))
             tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, cute.make_tensor(pQ, qk), a_one, (CHUNK, DK))
             tma_k, tK = cpasync.make_tiled_tma_atom(g2s, cute.make_tensor(pK, qk), a_one, (CHUNK, DK))
-            if cutlass.const_expr(self.g_by_tma):  # g as (token, d, value head), into the X tile as a K-major tile
+            if cutlass.const_expr(self.g_by_tma(pG.dtype)):  # g as (token, d, value head): a K-major tile in X
                 gl = cute.make_layout((total_tokens, DK, num_heads_v), stride=(num_heads_v * DK, 1, DK))
                 tma_g, tG = cpasync.make_tiled_tma_atom(g2s, cute.make_tensor(pG, gl), a_one, (CHUNK, DK))
 
@@ -373,6 +371,10 @@ class KdaFwdIntraTC:
             num_heads, HV, NC, scale, lower_bound,
         ).launch(grid=[NC, HV, 1], block=[THREADS, 1, 1], stream=stream,
                  smem=self.launch_smem(SharedStorage.size_in_bytes()), min_blocks_per_mp=CTAS_PER_SM)
+
+    def g_by_tma(self, g_dtype) -> bool:
+        """TMA_G applies to a bf16 gate only: an fp32 one keeps the per-thread loads."""
+        return self.tma_g and g_dtype.width == 16
 
     def launch_smem(self, storage_bytes: int) -> int:
         """Dynamic shared memory the launch asks for: the storage, or ONE_CTA_SMEM under the ``one_cta`` diagnostic."""
@@ -712,21 +714,22 @@ class KdaFwdIntraTC:
         raw_v = cute.make_rmem_tensor(rows8, BF16)
         raw_g = cute.make_rmem_tensor(rows8, pG.dtype)
         mbar = None
+        g_by_tma = self.g_by_tma(pG.dtype)
         if cutlass.const_expr(self.tma_qk):  # q and k straight into the Qa / Ka tiles, issued first
             mbar = st.sMbar.data_ptr()
             s_g = sX  # TMA_G: the X tile, read as a K-major tile (dead until phase 2 writes X)
-            if cutlass.const_expr(self.g_by_tma):
+            if cutlass.const_expr(g_by_tma):
                 s_g = st.sX.get_tensor(a_layout.outer, swizzle=a_layout.inner)
             if warp == 0:  # a TMA copy is issued by a whole warp (it elects its one issuing lane)
                 if lane == 0:
                     cute.arch.mbarrier_init(mbar, 1)
                     cute.arch.mbarrier_init_fence()
-                    n_tiles = 3 if cutlass.const_expr(self.g_by_tma) else 2
+                    n_tiles = 3 if cutlass.const_expr(g_by_tma) else 2
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar, n_tiles * CHUNK * DK * BF16.width // 8)
                 cute.arch.sync_warp()
                 one = cute.make_layout(1)
                 loads = [(tma_q, tQ, sQa, hq), (tma_k, tK, sKa, hq)]
-                if cutlass.const_expr(self.g_by_tma):
+                if cutlass.const_expr(g_by_tma):
                     loads.append((tma_g, tG, s_g, hv))
                 for tma_x, t_x, s_x, head in loads:
                     g_x = cute.local_tile(cute.domain_offset((tok0, 0), t_x[None, None, head]), (CHUNK, DK),
@@ -743,7 +746,7 @@ class KdaFwdIntraTC:
                 raw_k[rr, None].store(_vec(pK, (tok * H + hq) * DK + d0, COLS_PER_THREAD).load())
             if cutlass.const_expr(not self.skip_vu):
                 raw_v[rr, None].store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load())
-            if cutlass.const_expr(not self.g_by_tma):
+            if cutlass.const_expr(not g_by_tma):
                 raw_g[rr, None].store(_vec(pG, (tok * HV + hv) * DK + d0, COLS_PER_THREAD).load())
         if cutlass.const_expr(self.prefetch_ahead > 0):
             self.prefetch_later_chunk(pQ, pK, pV, pG, pChunks, tidx, chunk, hv, H, HV, NC)
@@ -774,12 +777,12 @@ class KdaFwdIntraTC:
                     if r0 + rr >= nvalid:  # another sequence's token (or TMA's zeros): this thread's part of it
                         _st8(a_layout, qa_raw, (r0 + rr, d0, 0), zero8)
                         _st8(a_layout, ka_raw, (r0 + rr, d0, 0), zero8)
-                        if cutlass.const_expr(self.g_by_tma):
+                        if cutlass.const_expr(g_by_tma):
                             _st8(a_layout, x_raw, (r0 + rr, d0, 0), zero8)
             for rr in cutlass.range_constexpr(rpt):
                 _ld8(a_layout, qa_raw, (r0 + rr, d0, 0), raw_q[rr, None])
                 _ld8(a_layout, ka_raw, (r0 + rr, d0, 0), raw_k[rr, None])
-                if cutlass.const_expr(self.g_by_tma):
+                if cutlass.const_expr(g_by_tma):
                     _ld8(a_layout, x_raw, (r0 + rr, d0, 0), raw_g[rr, None])
         for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
