@@ -116,11 +116,11 @@ def test_tma_qk_checks_gpu_test_then_splits_against_lean(tmp_path):
     assert [("CULA_KDA_TC_PHASE1=lean" in c) for c in splits] == [False, True] * 2
 
 
-def test_tma_g_sanity_first_then_checks_gpu_test_and_splits(tmp_path):
-    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "tma_g")
+def test_tma_qkg_sanity_first_then_checks_gpu_tests_and_a_split_against_tma_qk(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "tma_qkg")
     sanity, check, test = cmds[:3]
-    assert "CULA_KDA_TC_TMA_G=1" in sanity and "--cases tc-T1" in sanity
-    assert "CULA_KDA_TC_TMA_G=1" in check and len(check.split("--cases ")[1].split()[0].split(",")) == 9
-    assert "pytest" in test and "tma_g" in test
+    assert "CULA_KDA_TC_PHASE1" not in sanity and "--cases tc-T1" in sanity  # tma_qkg is the default
+    assert "CULA_KDA_TC_PHASE1" not in check and len(check.split("--cases ")[1].split()[0].split(",")) == 9
+    assert "pytest" in test and "tma_qk" in test.split(" -k ")[1]
     splits = cmds[3:]
-    assert len(splits) == 4 and [("CULA_KDA_TC_TMA_G=1" in c) for c in splits] == [False, True] * 2
+    assert len(splits) == 2 and [("CULA_KDA_TC_PHASE1=tma_qk" in c) for c in splits] == [False, True]

@@ -127,7 +127,7 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_t_out_block32", True),
                                                ("intra_tc_t_out_block32_pre26", True),
                                                ("intra_tc_t_out_block32_lean", True),
-                                               ("intra_tc_t_out_block32_tma_g", True)])
+                                               ("intra_tc_t_out_block32_tma_qk", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -193,9 +193,11 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         # 32-row factor blocks: one m64n32 off-diagonal product per matrix instead of three
         off = 2 * 1 * 8 if "block32" in target else 2 * 3 * 8
         assert rep.count("wgmma.mma_async") == 16 + off + 8 + inv - (4 if no_v_u else 0)
-        # q, k by TMA (PHASE1 "tma_qk", the default since session 27): two 64-column boxes each; g too (TMA_G)
+        # q, k by TMA (since session 27): two 64-column boxes each; a bf16 g too (PHASE1 "tma_qkg", the default
+        # since session 28)
         tma_qk = not any(m in target for m in ("_lean", "pre26"))
-        tma_g = "tma_g" in target
+        fp32_g = target in ("intra_tc_fp32_gate", "intra_tc_softplus_fp32_gate_gva", "intra_tc_log_gate")
+        tma_g = tma_qk and not target.endswith("_tma_qk") and not fp32_g
         # TMA stores: aqk, w and u (two 64-column boxes); t_out: T' beside Aqk instead of u
         assert rep.count("cp.async.bulk.tensor") == ((4 if "t_out" in target else 3 if no_v_u else 5)
                                                      + (4 if tma_qk else 0) + (2 if tma_g else 0))
@@ -203,8 +205,8 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         loads = (24 if no_v_u else 32) - (16 if tma_qk else 0) - (8 if tma_g else 0)
         assert rep.count("ld.global.v4") >= loads and rep.count("st.shared.v4") >= 24
         if no_v_u and "gva" not in target:  # the 8 v loads per thread are gone
-            base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc")  # q, k by TMA
-            want = base.count("ld.global.v4") - 8 + (0 if tma_qk else 16) - (8 if tma_g else 0)
+            base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc")  # q, k, g by TMA
+            want = base.count("ld.global.v4") - 8 + (0 if tma_qk else 16) + (0 if tma_g else 8)
             assert rep.count("ld.global.v4") == want
         # the off-diagonal factor on the B side: 12 vectors of 8 per thread (4 packed bf16 products each)
         # form B'_1..3, and each row block's off-diagonal part is one SS product per A tile of N = 16, 32,
@@ -537,28 +539,36 @@ def _assert_rows_moved_to_tma(before: str, after: str, boxes: int, rows: int):
 
 
 def test_phase1_tma_qk_loads_q_k_by_tma():
-    """PHASE1 "tma_qk" (the default): q and k arrive by four TMA box loads (two a tile) instead of 16 per-thread
+    """PHASE1 "tma_qk" (session 27's): q and k arrive by four TMA box loads (two a tile) instead of 16 per-thread
     16-byte global loads; the threads read the 16 rows back from shared memory; same shared memory (the
     mbarrier sits in the struct's alignment padding), no spills."""
     pytest.importorskip("cutlass")
-    tma = _assert_rows_moved_to_tma("intra_tc_t_out_block32_lean", "intra_tc_t_out_block32", boxes=4, rows=16)
+    tma = _assert_rows_moved_to_tma("intra_tc_t_out_block32_lean", "intra_tc_t_out_block32_tma_qk", boxes=4,
+                                    rows=16)
     assert tma.ptx.count("mbarrier.try_wait") >= 1
-    # the copies elect their lane over the full warp: issued after lane 0's mbarrier setup rejoins the warp (from
-    # lane 0 alone they hung on the H100)
+    # lane 0's init, then a warp sync (racecheck: ptxas puts the init on the warp's uniform datapath), lane 0's
+    # arrive, and the copies, which elect their lane over the full warp, after the warp rejoins (from lane 0
+    # alone they hung on the H100)
     ptx = tma.ptx
-    assert ptx.index("mbarrier.arrive.expect_tx") < ptx.index("bar.warp.sync") < ptx.index("elect.sync")
+    init = ptx.index("mbarrier.init")
+    arrive = ptx.index("mbarrier.arrive.expect_tx")
+    assert init < ptx.index("bar.warp.sync", init) < arrive < ptx.index("bar.warp.sync", arrive) \
+        < ptx.index("elect.sync")
 
 
-def test_tma_g_loads_g_by_tma():
-    """TMA_G (opt-in, needs tma_qk): a bf16 gate arrives by two more TMA boxes (into the X tile) instead of 8
-    per-thread 16-byte global loads; the threads read the 8 rows back from shared memory; no spills."""
+def test_phase1_tma_qkg_loads_g_by_tma_too():
+    """PHASE1 "tma_qkg" (the default since session 28): a bf16 gate arrives by two more TMA boxes (into the X tile)
+    instead of 8 per-thread 16-byte global loads; the threads read the 8 rows back from shared memory; no spills.
+    An fp32 gate keeps its per-thread loads."""
     pytest.importorskip("cutlass")
+    from cula.kernels.common.ptx_check import ptx_report
     from cula.kernels.sm90 import kda_fwd_intra_tc as tc
 
-    _assert_rows_moved_to_tma("intra_tc_t_out_block32", "intra_tc_t_out_block32_tma_g", boxes=2, rows=8)
-    with pytest.raises(ValueError, match="CULA_KDA_TC_TMA_G"):
-        tc.KdaFwdIntraTC(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
-                         allow_neg_eigval=False, group=1, phase1="lean", tma_g=True)
+    _assert_rows_moved_to_tma("intra_tc_t_out_block32_tma_qk", "intra_tc_t_out_block32", boxes=2, rows=8)
+    bulk = [ptx_report("cula.kernels.sm90.kda_fwd", t).ptx.count("cp.async.bulk.tensor")
+            for t in ("intra_tc", "intra_tc_fp32_gate")]
+    assert bulk[1] == bulk[0] - 2
+    assert tc.PHASE1_MODES[0] == "tma_qkg"
 
 
 def test_tc_factor_block_32_overflows_below_its_bound():
@@ -740,9 +750,9 @@ def test_gpu_tma_qk_equals_lean_and_ignores_later_sequences(monkeypatch, case):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("case", ["tc-varlen-zero", "tc-softplus-varlen-zero"])
-def test_gpu_tma_g_equals_the_default_and_ignores_later_sequences(monkeypatch, case):
-    """TMA_G loads a bf16 gate by TMA: a partial chunk's rows past its sequence are the next tokens there. Its
-    outputs are bitwise the default's, and NaN in every later sequence's g (which a zero factor would not
+def test_gpu_tma_qkg_equals_tma_qk_and_ignores_later_sequences(monkeypatch, case):
+    """PHASE1 "tma_qkg" loads a bf16 gate by TMA too: a partial chunk's rows past its sequence are the next tokens
+    there. Its outputs are bitwise "tma_qk"'s, and NaN in every later sequence's g (which a zero factor would not
     remove) leaves the first sequences' o and final states bitwise unchanged."""
     from cula.kernels.sm90 import kda_fwd_check as chk
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
@@ -750,9 +760,8 @@ def test_gpu_tma_g_equals_the_default_and_ignores_later_sequences(monkeypatch, c
     (spec,) = [c for c in chk.CASES if c[0] == case]
     args, kw = chk._inputs(*spec, dev=torch.device("cuda"))
     monkeypatch.setattr(intra_tc, "PHASE1", "tma_qk")
-    monkeypatch.setattr(intra_tc, "TMA_G", False)
     o, ht = kda_fwd.kda_fwd(*args, **kw)
-    monkeypatch.setattr(intra_tc, "TMA_G", True)
+    monkeypatch.setattr(intra_tc, "PHASE1", "tma_qkg")
     o1, ht1 = kda_fwd.kda_fwd(*args, **kw)
     assert torch.equal(o, o1) and torch.equal(ht, ht1)
     q, k, v, g, beta = args

@@ -183,9 +183,10 @@ SCENARIOS = {
     # (the check cases') and the splits, against the default (q, k by TMA)
     "lean_checks": ("tc", {"intra_tc.PHASE1": "lean"}),
     "lean_split": ("split", {"intra_tc.PHASE1": "lean"}),
-    # device_round tma_g: g by TMA as well (TMA_G, opt-in) in checks (and the GPU test's calls) and splits
-    "tma_g_checks": ("tc", {"intra_tc.TMA_G": True}),
-    "tma_g_split": ("split", {"intra_tc.TMA_G": True}),
+    # device_round tma_qkg: session 27's phase 1 (PHASE1 "tma_qk": g by per-thread loads) in the GPU test's calls
+    # (the check cases') and the splits, against the default (g by TMA as well)
+    "tma_qk_checks": ("tc", {"intra_tc.PHASE1": "tma_qk"}),
+    "tma_qk_split": ("split", {"intra_tc.PHASE1": "tma_qk"}),
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 

@@ -70,7 +70,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         one_cta_no_stores) envs="CULA_KDA_TC_DIAG=one_cta,no_qg_kgt,no_wu_store,no_aqk_store" ;;
         pre26) envs="CULA_KDA_TC_PHASE1=pre26" ;;
         lean) envs="CULA_KDA_TC_PHASE1=lean" ;;
-        tma_g) envs="CULA_KDA_TC_TMA_G=1" ;;
+        tma_qk) envs="CULA_KDA_TC_PHASE1=tma_qk" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
@@ -292,24 +292,24 @@ for s in $steps; do
         # log-space), then against session 25's phase 1 (pre26), twice in turn (<= 340 s; AOT checks, pre26_split)
         step phase1_check 260 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $phase1_cases
         mode_splits phase1_split default pre26 default pre26 ;;
-    tma_qk)  # session 27: q and k by TMA into the Qa / Ka tiles (the default since its first run) through the checks,
-        # the GPU test (bitwise the lean phase 1's outputs; Inf in later sequences' q, k reaches no earlier one),
+    tma_qk)  # session 27: q and k by TMA into the Qa / Ka tiles (the default since its first run; g too since session
+        # 28, tma_qkg) through the checks, the GPU tests (bitwise the lean phase 1's outputs; Inf in later sequences' q, k reaches no earlier one),
         # then against session 26's phase 1 (CULA_KDA_TC_PHASE1=lean), twice in turn (<= 360 s; AOT lean_checks,
         # lean_split)
         step tma_qk_check 220 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $phase1_cases
         step tma_qk_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "tma_qk"
         mode_splits tma_qk_split default lean default lean ;;
-    tma_g)  # session 27 (CPU-built): g by TMA too (CULA_KDA_TC_TMA_G=1): one case first (a hang costs 45 s), the
-        # checks, the GPU test (bitwise the default's outputs; NaN in later sequences' g reaches no earlier one),
-        # then against the default, twice in turn (<= 400 s; AOT tma_g_checks, tma_g_split)
-        step tma_g_sanity 45 env CULA_KDA_TC_TMA_G=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
-            --cases tc-T1 || continue
-        step tma_g_check 220 env CULA_KDA_TC_TMA_G=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
-            --cases $phase1_cases
-        step tma_g_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
-            -k "tma_g"
-        mode_splits tma_g_split default tma_g default tma_g ;;
+    tma_qkg)  # session 28: g by TMA as well (phase 1 "tma_qkg", the default since its first run, session 28; the
+        # init / arrive split for racecheck is new): one case first (a hang costs 45 s), the checks, the GPU tests
+        # (bitwise the tma_qk / lean phase 1's outputs; NaN or Inf in later sequences' inputs reaches no earlier
+        # one), then against session 27's phase 1 (CULA_KDA_TC_PHASE1=tma_qk) once (<= 250 s; AOT tma_qk_checks,
+        # lean_checks, tma_qk_split)
+        step tma_qkg_sanity 45 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-T1 || continue
+        step tma_qkg_check 220 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $phase1_cases
+        step tma_qkg_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "tma_qk"
+        mode_splits tma_qkg_split default tma_qk ;;
     one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, "Where
         # the time goes and what is next"), twice in turn (<= 120 s; AOT scenario diag_one_cta)
         mode_splits one_cta_split default one_cta default one_cta ;;

@@ -645,8 +645,6 @@ def kda_fwd(
             tc_flags.update(phase1=intra_tc.PHASE1)
         if block != intra_tc.FACTOR_BLOCKS[0]:
             tc_flags.update(factor_block=block)
-        if intra_tc.TMA_G and intra_tc.PHASE1 == "tma_qk":  # opt-in; the kernel keeps per-thread loads for fp32 g
-            tc_flags.update(tma_g=True)
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
             if set(intra_tc.DIAG) - set(intra_tc.SAME_OUTPUT_DIAGS):
                 warnings.warn(f"CULA_KDA_TC_DIAG={','.join(intra_tc.DIAG)}: stage 1's outputs are wrong (timing "

@@ -138,29 +138,27 @@ GATE_FACTORS = __import__("os").environ.get("CULA_KDA_TC_GATE_FACTORS", "halves"
 #: 1.3-1.4% on the n20 rows. ``CULA_KDA_TC_SUBST=left`` for A/B.
 SUBST_MODES = ("right", "left")
 SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
-#: Phase 1's form. "tma_qk" (session 27, the default since its H100 run) is "lean" with q and k arriving by TMA
-#: (below). "lean" (session 26; the default before) takes the l2 norms' sums over a half-warp by recursive halving
-#: (31 shuffles and one rsqrt per lane instead of a butterfly's 64 shuffles and 16 rsqrt; the same sums, bitwise),
-#: the lower-bounded gate's exponent as one FFMA and the group totals as 16-byte stores: SASS 4,928 -> 4,736, 201 ->
-#: 197 registers (t_out, 32-row blocks). "pre26" is session 25's phase 1 (PTX byte-identical): A/B runs only,
-#: ``CULA_KDA_TC_PHASE1=pre26``. ("mma_norms", the row norms as the diagonals of two wgmma products Q Qᵀ, K Kᵀ,
-#: was measured in session 27 and removed: −1.1% at B2 T16384 at best, +1 to +3% on the n20 rows; kda_fwd.md.)
-#: "tma_qk" (session 27) is the lean phase 1 with q and k arriving by TMA straight into the Qa / Ka tiles
-#: (warp 0, two copies, an mbarrier): no per-thread global loads, address arithmetic or raw-tile stores for
-#: them; the threads read their rows back from shared memory for the l2 sums. Rows past a partial chunk's end are
-#: the next tokens there (zeros past the tensor): in a sequence's last chunk each thread zeroes its own part of
-#: them before reading, so nothing of another sequence is multiplied (by zero: Inf would make NaN). Outputs bitwise
-#: the lean phase 1's. H100, session 27 (`--split worst`, twice each against lean): stage 1 −3.5% at B2 T16384
-#: (1.691 -> 1.632 ms), −2.1 / −3.1 / −3.4% on the uniform / random / skewed n20 rows; nine checks PASS.
-#: ``CULA_KDA_TC_PHASE1=lean`` for A/B.
-PHASE1_MODES = ("tma_qk", "lean", "pre26")
+#: Phase 1's form. "tma_qkg" (session 28, the default since its H100 run) is "tma_qk" with a bf16 gate arriving by
+#: TMA too: its 64 rows land in the X tile (dead until phase 2 writes X), one more copy on the same mbarrier, read
+#: back like q, k; the 8 per-thread 16-byte g loads and their addresses go, and a last chunk's rows past the end are
+#: zeroed with q's and k's (a NaN there would survive the sigmoid gate's zero factor). An fp32 gate keeps the
+#: per-thread loads (g_by_tma). H100, session 28 (`--split worst`, twice each against tma_qk): stage 1 −1.1% at B2
+#: T16384 (1.641 -> 1.623 ms), −0.6 / −1.2 / −1.7% on the uniform / random / skewed n20 rows; nine checks PASS.
+#: "tma_qk" (session 27) is "lean" with q and k arriving by TMA straight into the Qa / Ka tiles (warp 0, two
+#: copies, an mbarrier): no per-thread global loads, address arithmetic or raw-tile stores for them; the threads
+#: read their rows back from shared memory for the l2 sums. Rows past a partial chunk's end are the next tokens
+#: there (zeros past the tensor): in a sequence's last chunk each thread zeroes its own part of them before
+#: reading, so nothing of another sequence is multiplied (by zero: Inf would make NaN). Outputs bitwise the lean
+#: phase 1's. H100, session 27 (twice each against lean): stage 1 −3.5% at B2 T16384 (1.691 -> 1.632 ms), −2.1 /
+#: −3.1 / −3.4% on the uniform / random / skewed n20 rows. "lean" (session 26) takes the l2 norms' sums over a
+#: half-warp by recursive halving (31 shuffles and one rsqrt per lane instead of a butterfly's 64 shuffles and 16
+#: rsqrt; the same sums, bitwise), the lower-bounded gate's exponent as one FFMA and the group totals as 16-byte
+#: stores: SASS 4,928 -> 4,736, 201 -> 197 registers (t_out, 32-row blocks). "pre26" is session 25's phase 1.
+#: ``CULA_KDA_TC_PHASE1=tma_qk`` / ``lean`` / ``pre26`` for A/B runs. ("mma_norms", the row norms as the diagonals
+#: of two wgmma products Q Qᵀ, K Kᵀ, was measured in session 27 and removed: −1.1% at B2 T16384 at best, +1 to +3%
+#: on the n20 rows; kda_fwd.md.)
+PHASE1_MODES = ("tma_qkg", "tma_qk", "lean", "pre26")
 PHASE1 = __import__("os").environ.get("CULA_KDA_TC_PHASE1", PHASE1_MODES[0])
-#: g by TMA as well (session 27, opt-in, CPU-built; ``CULA_KDA_TC_TMA_G=1``; needs PHASE1 "tma_qk"): a bf16 gate's
-#: 64 rows land in the X tile (dead until phase 2 writes X) beside q and k, one more copy on the same mbarrier, and
-#: the threads read their rows back like q, k; the 8 per-thread 16-byte g loads and their addresses go. A last
-#: chunk's rows past the sequence's end are zeroed with q's and k's (a NaN there would survive the gate's zero
-#: factor). An fp32 gate keeps the per-thread loads.
-TMA_G = __import__("os").environ.get("CULA_KDA_TC_TMA_G", "0") == "1"
 #: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
 #: kda_fwd warns): which part of stage 1's time is memory. They apply to whichever stage 1 is the default
 #: (since session 18 u in stage 2's, ``t_out``). ``l2_loads``: every CTA reads its head's first rows (L2 hits
@@ -227,7 +225,6 @@ class KdaFwdIntraTC:
         subst: str = SUBST_MODES[0],
         factor_block: int = FACTOR_BLOCKS[0],
         phase1: str = PHASE1_MODES[0],
-        tma_g: bool = False,
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -265,10 +262,8 @@ class KdaFwdIntraTC:
         if phase1 not in PHASE1_MODES:
             raise ValueError(f"phase1 (CULA_KDA_TC_PHASE1): expected one of {PHASE1_MODES}, got {phase1!r}")
         self.lean = phase1 != "pre26"  # PHASE1
-        self.tma_qk = phase1 == "tma_qk"
-        if tma_g and not self.tma_qk:
-            raise ValueError(f"tma_g (CULA_KDA_TC_TMA_G): needs phase1 'tma_qk', got {phase1!r}")
-        self.tma_g = tma_g  # TMA_G; the kernel takes it for a bf16 gate only (g_by_tma)
+        self.tma_qk = phase1 in ("tma_qkg", "tma_qk")  # q and k by TMA
+        self.tma_g = phase1 == "tma_qkg"  # g too; the kernel takes it for a bf16 gate only (g_by_tma)
         if factor_block not in FACTOR_BLOCKS:
             raise ValueError(f"factor_block (CULA_KDA_TC_FACTOR_BLOCK): expected one of {FACTOR_BLOCKS}, "
                              f"got {factor_block!r}")
@@ -373,7 +368,7 @@ class KdaFwdIntraTC:
                  smem=self.launch_smem(SharedStorage.size_in_bytes()), min_blocks_per_mp=CTAS_PER_SM)
 
     def g_by_tma(self, g_dtype) -> bool:
-        """TMA_G applies to a bf16 gate only: an fp32 one keeps the per-thread loads."""
+        """phase1 "tma_qkg" brings a bf16 gate by TMA only: an fp32 one keeps the per-thread loads."""
         return self.tma_g and g_dtype.width == 16
 
     def launch_smem(self, storage_bytes: int) -> int:
@@ -420,7 +415,7 @@ class KdaFwdIntraTC:
         tQ,
         tma_k,
         tK,
-        tma_g,  # TMA_G: the g load's atom and tensor (None otherwise)
+        tma_g,  # phase1 tma_qkg, bf16 g: the g load's atom and tensor (None otherwise)
         tG,
         mma_diag: cute.TiledMma,
         mma_off1: cute.TiledMma,
@@ -607,7 +602,7 @@ class KdaFwdIntraTC:
         tQ,
         tma_k,
         tK,
-        tma_g,  # TMA_G: the g load's atom and tensor (None otherwise)
+        tma_g,  # phase1 tma_qkg, bf16 g: the g load's atom and tensor (None otherwise)
         tG,
         mma_diag: cute.TiledMma,
         mma_off1: cute.TiledMma,
@@ -717,13 +712,18 @@ class KdaFwdIntraTC:
         g_by_tma = self.g_by_tma(pG.dtype)
         if cutlass.const_expr(self.tma_qk):  # q and k straight into the Qa / Ka tiles, issued first
             mbar = st.sMbar.data_ptr()
-            s_g = sX  # TMA_G: the X tile, read as a K-major tile (dead until phase 2 writes X)
+            s_g = sX  # tma_qkg: the X tile, read as a K-major tile (dead until phase 2 writes X)
             if cutlass.const_expr(g_by_tma):
                 s_g = st.sX.get_tensor(a_layout.outer, swizzle=a_layout.inner)
             if warp == 0:  # a TMA copy is issued by a whole warp (it elects its one issuing lane)
                 if lane == 0:
                     cute.arch.mbarrier_init(mbar, 1)
                     cute.arch.mbarrier_init_fence()
+                # ptxas issues the init on the warp's uniform datapath: racecheck then sees it and lane 0's
+                # arrive as two lanes' accesses (a warning, 16 a launch on tc-T1, session 28) unless the warp
+                # synchronises between them
+                cute.arch.sync_warp()
+                if lane == 0:
                     n_tiles = 3 if cutlass.const_expr(g_by_tma) else 2
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar, n_tiles * CHUNK * DK * BF16.width // 8)
                 cute.arch.sync_warp()
@@ -1561,8 +1561,8 @@ def compile_targets():
         "t_out_block32_pre26": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="pre26"),
         # session 26's phase 1 (q, k by per-thread loads; PHASE1 "lean")
         "t_out_block32_lean": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="lean"),
-        # g by TMA too (TMA_G, opt-in)
-        "t_out_block32_tma_g": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, tma_g=True),
+        # session 27's phase 1 (q, k by TMA, g by per-thread loads; PHASE1 "tma_qk")
+        "t_out_block32_tma_qk": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_qk"),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
