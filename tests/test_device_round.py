@@ -124,3 +124,16 @@ def test_tma_qkg_sanity_first_then_checks_gpu_tests_and_a_split_against_tma_qk(t
     assert "pytest" in test and "tma_qk" in test.split(" -k ")[1]
     splits = cmds[3:]
     assert len(splits) == 2 and [("CULA_KDA_TC_PHASE1=tma_qk" in c) for c in splits] == [False, True]
+
+
+def test_clock_tma_runs_the_three_clocks(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "clock_tma")
+    assert len(cmds) == 3 and all("kda_fwd_clock" in c for c in cmds)
+    assert "--one-cta" in cmds[1] and "--n 20" in cmds[2]
+
+
+def test_pf_tma_splits_each_prefetch_distance_between_two_defaults(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "pf_tma")
+    assert len(cmds) == 5 and all("--split worst" in c for c in cmds)
+    pf = [c.split("CULA_KDA_TC_PREFETCH=")[1].split()[0] if "CULA_KDA_TC_PREFETCH=" in c else None for c in cmds]
+    assert pf == [None, "0", "33", "132", None]

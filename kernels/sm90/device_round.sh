@@ -71,6 +71,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         pre26) envs="CULA_KDA_TC_PHASE1=pre26" ;;
         lean) envs="CULA_KDA_TC_PHASE1=lean" ;;
         tma_qk) envs="CULA_KDA_TC_PHASE1=tma_qk" ;;
+        pf0 | pf33 | pf132) envs="CULA_KDA_TC_PREFETCH=${m#pf}" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
@@ -310,6 +311,14 @@ for s in $steps; do
         step tma_qkg_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "tma_qk"
         mode_splits tma_qkg_split default tma_qk ;;
+    clock_tma)  # session 28: the clock with its TMA-wait stamp (q, k, g landed) at B2 T16384, two CTAs per SM and
+        # one, and uniform n20 T4096 (~25 s with AOT)
+        step clock_tma_2cta 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384
+        step clock_tma_1cta 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384 --one-cta
+        step clock_tma_n20 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --T 4096 --dist uniform --n 20 ;;
+    pf_tma)  # session 28: stage 1's L2 prefetch distance now that q, k, g arrive by TMA: the default (66 CTAs ahead)
+        # against none, 33 and 132, then the default again (~110 s; AOT pf0_split, pf33_split, pf132_split)
+        mode_splits pf_tma default pf0 pf33 pf132 default ;;
     one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, "Where
         # the time goes and what is next"), twice in turn (<= 120 s; AOT scenario diag_one_cta)
         mode_splits one_cta_split default one_cta default one_cta ;;

@@ -24,11 +24,12 @@ import argparse
 import numpy as np
 
 #: the stamps' slots (kda_fwd_intra_tc stamps them in this order; slot CLOCK_SLOTS - 1 holds the SM id)
-STAMP_NAMES = ("entry", "phase1", "column_pass", "phase2", "b_prime", "wgmma_wait", "wgmma_bar", "combine",
-               "inv_diag", "inv_step2", "inverse", "t_prime", "phase5", "phase6", "end")
+STAMP_NAMES = ("entry", "tma_wait", "phase1", "column_pass", "phase2", "b_prime", "wgmma_wait", "wgmma_bar",
+               "combine", "inv_diag", "inv_step2", "inverse", "t_prime", "phase5", "phase6", "end")
 #: what each span (the cycles up to its stamp from the one before) covers
 SPAN_WHAT = {
-    "phase1": "loads, gate, l2 sums, in-thread cumsum, group totals",
+    "tma_wait": "TMA issued, L2 prefetch, beta; the wait for q, k, g (none without TMA)",
+    "phase1": "rows read back, l2 sums, gate, in-thread cumsum, group totals",
     "column_pass": "group prefixes, pair factors",
     "phase2": "factors, operand tiles, qg / kgT / gamma stores",
     "b_prime": "B' scaling pass (16-row factor blocks)",

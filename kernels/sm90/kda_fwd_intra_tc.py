@@ -181,7 +181,7 @@ ONE_CTA_SMEM = 160 * 1024
 SAME_OUTPUT_DIAGS = ("one_cta", "clock")
 #: the ``clock`` diagnostic's int64 slots per chunk: the cycle counter at each stamp of CLOCK_STAMPS, in that order
 #: (the stamp after a step a build skips, e.g. the B' pass of 32-row factor blocks, follows at once), then the SM id
-CLOCK_SLOTS = 16
+CLOCK_SLOTS = 18  # even: thread 0 stores them 16 bytes at a time
 assert len(CLOCK_STAMPS) < CLOCK_SLOTS
 #: the diagnostics that keep stage 1's values (all but no_v_u): what device_round's diag_split times one by one
 SAME_VALUE_DIAGS = tuple(d for d in DIAG_OPTIONS if d != "no_v_u")
@@ -767,9 +767,12 @@ class KdaFwdIntraTC:
         if cutlass.const_expr(self.lean):
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
                 adt[c] = a_nl2e * dtb[c]
+        if cutlass.const_expr(not self.tma_qk):
+            self.stamp(ts, "tma_wait", tidx)  # no TMA: the span is empty
         if cutlass.const_expr(self.tma_qk):
             cute.arch.sync_threads()  # the mbarrier's initialisation is visible to every thread
             cute.arch.mbarrier_wait(mbar, 0)
+            self.stamp(ts, "tma_wait", tidx)  # q, k (and g) have landed
             zero8 = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
             zero8.fill(0.0)
             if nvalid < CHUNK:  # uniform: a sequence's last chunk only
