@@ -127,7 +127,8 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_t_out_block32", True),
                                                ("intra_tc_t_out_block32_pre26", True),
                                                ("intra_tc_t_out_block32_lean", True),
-                                               ("intra_tc_t_out_block32_tma_qk", True)])
+                                               ("intra_tc_t_out_block32_tma_qk", True),
+                                               ("intra_tc_t_out_block32_g_first", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -571,6 +572,29 @@ def test_phase1_tma_qkg_loads_g_by_tma_too():
     assert tc.PHASE1_MODES[0] == "tma_qkg"
 
 
+def test_phase1_tma_g_first_waits_for_q_k_after_the_gate_work():
+    """PHASE1 "tma_g_first" (opt-in): the same six boxes and per-thread loads as the default, on two mbarriers (g's
+    and q / k's, both set up by lane 0 before the warp's copies); the threads wait for g, run phase 1 and the
+    column pass (two CTA barriers), and only then wait for q and k, before the l2 norms' shuffles; no spills."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common.ptx_check import ptx_report
+
+    base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32")
+    rep = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_g_first")
+    ptx = rep.ptx
+    for op in ("cp.async.bulk.tensor", "ld.global.v4"):
+        assert ptx.count(op) == base.ptx.count(op), op
+    assert ptx.count("ld.shared.v4") >= 24  # the q, k, g rows read back (8 each)
+    assert ptx.count("mbarrier.init") == 2 and ptx.count("mbarrier.arrive.expect_tx") == 2
+    waits = [i for i in range(len(ptx)) if ptx.startswith("mbarrier.try_wait", i)]
+    assert len(waits) == 2
+    barriers = [i for i in range(waits[0], waits[1]) if ptx.startswith("bar.sync", i)]
+    assert len(barriers) >= 2  # phase 1's and the column pass's
+    assert ptx.index("mbarrier.arrive.expect_tx") < ptx.index("cp.async.bulk.tensor") < waits[0]
+    assert waits[1] < ptx.index("shfl.sync", waits[1])  # the row norms follow the second wait
+    assert rep.spill_bytes == 0 and rep.kernels[0].registers <= 255
+
+
 def test_tc_factor_block_32_overflows_below_its_bound():
     """Past BLOCK32_MIN_LOWER_BOUND the 32-row factors leave fp32's range on saturated gates (why the host
     keeps the 16-row blocks there)."""
@@ -769,6 +793,33 @@ def test_gpu_tma_qkg_equals_tma_qk_and_ignores_later_sequences(monkeypatch, case
     g_bad = g.clone()
     g_bad[:, 15:] = float("nan")
     o2, ht2 = kda_fwd.kda_fwd(q, k, v, g_bad, beta, **kw)
+    assert torch.isfinite(o[:, :15]).all() and torch.equal(o[:, :15], o2[:, :15])
+    assert torch.equal(ht[:2], ht2[:2])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", ["tc-varlen-zero", "tc-softplus-varlen-zero"])
+def test_gpu_tma_g_first_equals_tma_qkg_and_ignores_later_sequences(monkeypatch, case):
+    """PHASE1 "tma_g_first" waits for q and k after the gate work: its outputs are bitwise "tma_qkg"'s (the same
+    values reach the same arithmetic), and Inf in every later sequence's q, k with NaN in its g leaves the first
+    sequences' o and final states bitwise unchanged."""
+    from cula.kernels.sm90 import kda_fwd_check as chk
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+
+    (spec,) = [c for c in chk.CASES if c[0] == case]
+    args, kw = chk._inputs(*spec, dev=torch.device("cuda"))
+    monkeypatch.setattr(intra_tc, "PHASE1", "tma_qkg")
+    o, ht = kda_fwd.kda_fwd(*args, **kw)
+    monkeypatch.setattr(intra_tc, "PHASE1", "tma_g_first")
+    o1, ht1 = kda_fwd.kda_fwd(*args, **kw)
+    assert torch.equal(o, o1) and torch.equal(ht, ht1)
+    q, k, v, g, beta = args
+    q_bad, k_bad, g_bad = q.clone(), k.clone(), g.clone()
+    q_bad[:, 15:] = float("inf")
+    k_bad[:, 15:] = float("inf")
+    g_bad[:, 15:] = float("nan")
+    o2, ht2 = kda_fwd.kda_fwd(q_bad, k_bad, v, g_bad, beta, **kw)
     assert torch.isfinite(o[:, :15]).all() and torch.equal(o[:, :15], o2[:, :15])
     assert torch.equal(ht[:2], ht2[:2])
 

@@ -71,6 +71,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         pre26) envs="CULA_KDA_TC_PHASE1=pre26" ;;
         lean) envs="CULA_KDA_TC_PHASE1=lean" ;;
         tma_qk) envs="CULA_KDA_TC_PHASE1=tma_qk" ;;
+        g_first) envs="CULA_KDA_TC_PHASE1=tma_g_first" ;;
         pf0 | pf33 | pf132) envs="CULA_KDA_TC_PREFETCH=${m#pf}" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
@@ -319,6 +320,19 @@ for s in $steps; do
     pf_tma)  # session 28: stage 1's L2 prefetch distance now that q, k, g arrive by TMA: the default (66 CTAs ahead)
         # against none, 33 and 132, then the default again (~110 s; AOT pf0_split, pf33_split, pf132_split)
         mode_splits pf_tma default pf0 pf33 pf132 default ;;
+    g_first)  # session 28 (CPU-built): g on its own mbarrier, issued first; q and k waited for after phase 1, the
+        # column pass and phase 2's gate factors (CULA_KDA_TC_PHASE1=tma_g_first): one case first (a hang costs 45 s),
+        # the checks, the GPU test (bitwise tma_qkg's outputs; Inf / NaN in later sequences reaches no earlier one),
+        # then against the default twice in turn, and the clock (<= 260 s; AOT g_first_checks, g_first_split)
+        step g_first_sanity 45 env CULA_KDA_TC_PHASE1=tma_g_first python3 -u -m cula.kernels.sm90.kda_fwd --check \
+            --no-bench --cases tc-T1 || continue
+        step g_first_check 220 env CULA_KDA_TC_PHASE1=tma_g_first python3 -u -m cula.kernels.sm90.kda_fwd --check \
+            --no-bench --cases $phase1_cases
+        step g_first_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "g_first"
+        mode_splits g_first_split default g_first default g_first
+        step g_first_clock 80 env CULA_KDA_TC_PHASE1=tma_g_first python3 -u -m cula.kernels.sm90.kda_fwd_clock \
+            --B 2 --T 16384 ;;
     one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, "Where
         # the time goes and what is next"), twice in turn (<= 120 s; AOT scenario diag_one_cta)
         mode_splits one_cta_split default one_cta default one_cta ;;

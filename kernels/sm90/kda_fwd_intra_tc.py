@@ -156,8 +156,12 @@ SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
 #: stores: SASS 4,928 -> 4,736, 201 -> 197 registers (t_out, 32-row blocks). "pre26" is session 25's phase 1.
 #: ``CULA_KDA_TC_PHASE1=tma_qk`` / ``lean`` / ``pre26`` for A/B runs. ("mma_norms", the row norms as the diagonals
 #: of two wgmma products Q Qᵀ, K Kᵀ, was measured in session 27 and removed: −1.1% at B2 T16384 at best, +1 to +3%
-#: on the n20 rows; kda_fwd.md.)
-PHASE1_MODES = ("tma_qkg", "tma_qk", "lean", "pre26")
+#: on the n20 rows; kda_fwd.md.) "tma_g_first" (session 28, opt-in) is "tma_qkg" with g on its own mbarrier,
+#: issued first: phase 1 (the gate, the cumsum, the group totals), the column pass and phase 2's gate factors run
+#: while q and k are still arriving; the threads wait for them, read them back and take the l2 norms just before
+#: phase 2's rows (the clock, session 28: phase 1 waited 5,374 cycles of a chunk's 23,131 for its loads at two
+#: CTAs per SM and then worked 2,719). An fp32 gate keeps "tma_qk"'s one barrier.
+PHASE1_MODES = ("tma_qkg", "tma_g_first", "tma_qk", "lean", "pre26")
 PHASE1 = __import__("os").environ.get("CULA_KDA_TC_PHASE1", PHASE1_MODES[0])
 #: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
 #: kda_fwd warns): which part of stage 1's time is memory. They apply to whichever stage 1 is the default
@@ -262,8 +266,9 @@ class KdaFwdIntraTC:
         if phase1 not in PHASE1_MODES:
             raise ValueError(f"phase1 (CULA_KDA_TC_PHASE1): expected one of {PHASE1_MODES}, got {phase1!r}")
         self.lean = phase1 != "pre26"  # PHASE1
-        self.tma_qk = phase1 in ("tma_qkg", "tma_qk")  # q and k by TMA
-        self.tma_g = phase1 == "tma_qkg"  # g too; the kernel takes it for a bf16 gate only (g_by_tma)
+        self.tma_qk = phase1 in ("tma_qkg", "tma_g_first", "tma_qk")  # q and k by TMA
+        self.tma_g = phase1 in ("tma_qkg", "tma_g_first")  # g too; for a bf16 gate only (g_by_tma)
+        self.g_first = phase1 == "tma_g_first"  # g on its own barrier, q and k waited for late (g_first_by_tma)
         if factor_block not in FACTOR_BLOCKS:
             raise ValueError(f"factor_block (CULA_KDA_TC_FACTOR_BLOCK): expected one of {FACTOR_BLOCKS}, "
                              f"got {factor_block!r}")
@@ -371,6 +376,10 @@ class KdaFwdIntraTC:
         """phase1 "tma_qkg" brings a bf16 gate by TMA only: an fp32 one keeps the per-thread loads."""
         return self.tma_g and g_dtype.width == 16
 
+    def g_first_by_tma(self, g_dtype) -> bool:
+        """phase1 "tma_g_first" splits the loads' barrier for a bf16 gate only (the one g_by_tma brings)."""
+        return self.g_first and self.g_by_tma(g_dtype)
+
     def launch_smem(self, storage_bytes: int) -> int:
         """Dynamic shared memory the launch asks for: the storage, or ONE_CTA_SMEM under the ``one_cta`` diagnostic."""
         return max(storage_bytes, ONE_CTA_SMEM) if "one_cta" in self.diag else storage_bytes
@@ -386,8 +395,8 @@ class KdaFwdIntraTC:
                       sX=tile, sV=al[mr[BF16, CHUNK * DV], 1024],
                       sTot=al[mr[F32, (GROUPS + 1) * DK], 16], sFirst=al[mr[F32, NBLK * DK], 16],
                       sC=al[mr[BF16, len(PAIRS) * DK], 16], sBeta=al[mr[F32, CHUNK], 16])
-        if self.tma_qk:  # the q / k loads' mbarrier, in the struct's 1 KB alignment padding (same total)
-            fields["sMbar"] = al[mr[cutlass.Int64, 1], 8]
+        if self.tma_qk:  # the loads' mbarrier(s: g_first), in the struct's 1 KB alignment padding (same total)
+            fields["sMbar"] = al[mr[cutlass.Int64, 2 if self.g_first else 1], 8]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ---------------------------------------------------------------------------- device side --
@@ -709,34 +718,46 @@ class KdaFwdIntraTC:
         raw_v = cute.make_rmem_tensor(rows8, BF16)
         raw_g = cute.make_rmem_tensor(rows8, pG.dtype)
         mbar = None
+        mbar_qk = None
         g_by_tma = self.g_by_tma(pG.dtype)
+        g_first = self.g_first_by_tma(pG.dtype)
         if cutlass.const_expr(self.tma_qk):  # q and k straight into the Qa / Ka tiles, issued first
             mbar = st.sMbar.data_ptr()
+            mbar_qk = mbar + 1 if cutlass.const_expr(g_first) else mbar  # g_first: g on mbar, q and k on this
             s_g = sX  # tma_qkg: the X tile, read as a K-major tile (dead until phase 2 writes X)
             if cutlass.const_expr(g_by_tma):
                 s_g = st.sX.get_tensor(a_layout.outer, swizzle=a_layout.inner)
             if warp == 0:  # a TMA copy is issued by a whole warp (it elects its one issuing lane)
                 if lane == 0:
                     cute.arch.mbarrier_init(mbar, 1)
+                    if cutlass.const_expr(g_first):
+                        cute.arch.mbarrier_init(mbar_qk, 1)
                     cute.arch.mbarrier_init_fence()
                 # ptxas issues the init on the warp's uniform datapath: racecheck then sees it and lane 0's
                 # arrive as two lanes' accesses (a warning, 16 a launch on tc-T1, session 28) unless the warp
                 # synchronises between them
                 cute.arch.sync_warp()
                 if lane == 0:
-                    n_tiles = 3 if cutlass.const_expr(g_by_tma) else 2
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, n_tiles * CHUNK * DK * BF16.width // 8)
+                    tile_bytes = CHUNK * DK * BF16.width // 8
+                    if cutlass.const_expr(g_first):
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar, tile_bytes)
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar_qk, 2 * tile_bytes)
+                    else:
+                        n_tiles = 3 if cutlass.const_expr(g_by_tma) else 2
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar, n_tiles * tile_bytes)
                 cute.arch.sync_warp()
                 one = cute.make_layout(1)
-                loads = [(tma_q, tQ, sQa, hq), (tma_k, tK, sKa, hq)]
-                if cutlass.const_expr(g_by_tma):
-                    loads.append((tma_g, tG, s_g, hv))
-                for tma_x, t_x, s_x, head in loads:
+                loads = [(tma_q, tQ, sQa, hq, mbar_qk), (tma_k, tK, sKa, hq, mbar_qk)]
+                if cutlass.const_expr(g_first):  # g first, then k, then q: the order phase 1 needs them in
+                    loads = [(tma_g, tG, s_g, hv, mbar), loads[1], loads[0]]
+                elif cutlass.const_expr(g_by_tma):
+                    loads.append((tma_g, tG, s_g, hv, mbar))
+                for tma_x, t_x, s_x, head, bar in loads:
                     g_x = cute.local_tile(cute.domain_offset((tok0, 0), t_x[None, None, head]), (CHUNK, DK),
                                           (None, 0))
                     ts_x, tg_x = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(s_x, 0, 2),
                                                        cute.group_modes(g_x, 0, 2))
-                    cute.copy(tma_x, tg_x[None, 0], ts_x[None, 0], tma_bar_ptr=mbar)
+                    cute.copy(tma_x, tg_x[None, 0], ts_x[None, 0], tma_bar_ptr=bar)
         for rr in cutlass.range_constexpr(rpt):
             tok = tok0 + cutlass.min(r0 + rr, nvalid - 1)
             if cutlass.const_expr("l2_loads" in self.diag):  # timing only: the head's first rows, L2 hits
@@ -772,19 +793,21 @@ class KdaFwdIntraTC:
         if cutlass.const_expr(self.tma_qk):
             cute.arch.sync_threads()  # the mbarrier's initialisation is visible to every thread
             cute.arch.mbarrier_wait(mbar, 0)
-            self.stamp(ts, "tma_wait", tidx)  # q, k (and g) have landed
+            self.stamp(ts, "tma_wait", tidx)  # q, k (and g) have landed (g_first: g alone)
             zero8 = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
             zero8.fill(0.0)
             if nvalid < CHUNK:  # uniform: a sequence's last chunk only
                 for rr in cutlass.range_constexpr(rpt):
                     if r0 + rr >= nvalid:  # another sequence's token (or TMA's zeros): this thread's part of it
-                        _st8(a_layout, qa_raw, (r0 + rr, d0, 0), zero8)
-                        _st8(a_layout, ka_raw, (r0 + rr, d0, 0), zero8)
+                        if cutlass.const_expr(not g_first):
+                            _st8(a_layout, qa_raw, (r0 + rr, d0, 0), zero8)
+                            _st8(a_layout, ka_raw, (r0 + rr, d0, 0), zero8)
                         if cutlass.const_expr(g_by_tma):
                             _st8(a_layout, x_raw, (r0 + rr, d0, 0), zero8)
             for rr in cutlass.range_constexpr(rpt):
-                _ld8(a_layout, qa_raw, (r0 + rr, d0, 0), raw_q[rr, None])
-                _ld8(a_layout, ka_raw, (r0 + rr, d0, 0), raw_k[rr, None])
+                if cutlass.const_expr(not g_first):
+                    _ld8(a_layout, qa_raw, (r0 + rr, d0, 0), raw_q[rr, None])
+                    _ld8(a_layout, ka_raw, (r0 + rr, d0, 0), raw_k[rr, None])
                 if cutlass.const_expr(g_by_tma):
                     _ld8(a_layout, x_raw, (r0 + rr, d0, 0), raw_g[rr, None])
         for rr in cutlass.range_constexpr(rpt):
@@ -794,8 +817,9 @@ class KdaFwdIntraTC:
                 keep = F32(0.0)
             # Rows past the end hold a copy of the last valid row (finite): phase 2 zeroes their q and k
             # through the row scale, and their v is only read through T' columns that β = 0 zeroes.
-            xq.store(raw_q[rr, None].load().to(F32))
-            xk.store(raw_k[rr, None].load().to(F32))
+            if cutlass.const_expr(not g_first):
+                xq.store(raw_q[rr, None].load().to(F32))
+                xk.store(raw_k[rr, None].load().to(F32))
             xg.store(raw_g[rr, None].load().to(F32))
             # raw q, k, v to their tiles (q and k are rewritten in place in phase 2)
             if cutlass.const_expr(not self.tma_qk):
@@ -807,8 +831,9 @@ class KdaFwdIntraTC:
             sk = F32(0.0)
             lb_keep = lb_log2 * keep
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
-                sq = sq + xq[c] * xq[c]
-                sk = sk + xk[c] * xk[c]
+                if cutlass.const_expr(not g_first):
+                    sq = sq + xq[c] * xq[c]
+                    sk = sk + xk[c] * xk[c]
                 # lower-bounded gate, in log2 units: lb * sigmoid(a (g + dt_bias)) / ln 2, with
                 # e^(-z) = 2^(-a log2(e) (g + dt_bias)) and keep folded into lb: one FMUL and the cumsum
                 # step an FFMA (was three FMUL and an FADD)
@@ -837,7 +862,7 @@ class KdaFwdIntraTC:
             ssq[rr] = sq
             ssq[rpt + rr] = sk
         if cutlass.const_expr(self.lean):
-            if cutlass.const_expr(self.use_qk_l2norm):
+            if cutlass.const_expr(self.use_qk_l2norm and not g_first):
                 self.row_norms(ssq, lane)
             cute.autovec_copy(gl[rpt - 1, None], _vec(sTot.iterator, grp * DK + d0, COLS_PER_THREAD))
             if grp % GROUPS_PER_BLOCK == 0:
@@ -909,6 +934,30 @@ class KdaFwdIntraTC:
                 pc[c] = pre[c] - cref[c]
                 hc[c] = cute.math.exp2(cref[c] * F32(0.5), fastmath=True)
                 hx[c] = -hc[c] if cutlass.const_expr(self.t_out) else hc[c]
+        if cutlass.const_expr(g_first):  # q and k, waited for only now: their zeroed tail, row sums and norms
+            cute.arch.mbarrier_wait(mbar_qk, 0)
+            zero8q = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
+            zero8q.fill(0.0)
+            if nvalid < CHUNK:  # uniform: a sequence's last chunk only
+                for rr in cutlass.range_constexpr(rpt):
+                    if r0 + rr >= nvalid:
+                        _st8(a_layout, qa_raw, (r0 + rr, d0, 0), zero8q)
+                        _st8(a_layout, ka_raw, (r0 + rr, d0, 0), zero8q)
+            for rr in cutlass.range_constexpr(rpt):
+                _ld8(a_layout, qa_raw, (r0 + rr, d0, 0), raw_q[rr, None])
+                _ld8(a_layout, ka_raw, (r0 + rr, d0, 0), raw_k[rr, None])
+            for rr in cutlass.range_constexpr(rpt):
+                xq.store(raw_q[rr, None].load().to(F32))
+                xk.store(raw_k[rr, None].load().to(F32))
+                sq = F32(0.0)
+                sk = F32(0.0)
+                for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                    sq = sq + xq[c] * xq[c]
+                    sk = sk + xk[c] * xk[c]
+                ssq[rr] = sq
+                ssq[rpt + rr] = sk
+            if cutlass.const_expr(self.use_qk_l2norm):
+                self.row_norms(ssq, lane)
         qg_head = pQG + (hv * R + row0) * DK
         for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
@@ -1566,6 +1615,8 @@ def compile_targets():
         "t_out_block32_lean": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="lean"),
         # session 27's phase 1 (q, k by TMA, g by per-thread loads; PHASE1 "tma_qk")
         "t_out_block32_tma_qk": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_qk"),
+        # g on its own barrier, first; q and k waited for just before phase 2's rows (PHASE1 "tma_g_first")
+        "t_out_block32_g_first": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_g_first"),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
