@@ -139,13 +139,14 @@ def test_pf_tma_splits_each_prefetch_distance_between_two_defaults(tmp_path):
     assert pf == [None, "0", "33", "132", None]
 
 
-def test_g_first_sanity_first_then_checks_gpu_test_and_splits(tmp_path):
+def test_g_first_sanity_first_then_checks_gpu_tests_splits_and_clock(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "g_first")
     sanity, check, test = cmds[:3]
-    assert "CULA_KDA_TC_PHASE1=tma_g_first" in sanity and "--cases tc-T1" in sanity
-    assert "CULA_KDA_TC_PHASE1=tma_g_first" in check and len(check.split("--cases ")[1].split()[0].split(",")) == 9
+    assert "CULA_KDA_TC_PHASE1" not in sanity and "--cases tc-T1" in sanity  # tma_g_first is the default
+    assert "CULA_KDA_TC_PHASE1" not in check and len(check.split("--cases ")[1].split()[0].split(",")) == 9
     assert "pytest" in test and "g_first" in test.split(" -k ")[1]
     splits, clock = cmds[3:7], cmds[7:]
     assert all("--split worst" in c for c in splits)
-    assert [("CULA_KDA_TC_PHASE1=tma_g_first" in c) for c in splits] == [False, True] * 2
-    assert len(clock) == 1 and "kda_fwd_clock" in clock[0] and "CULA_KDA_TC_PHASE1=tma_g_first" in clock[0]
+    old = [("CULA_KDA_TC_PHASE1=tma_qkg" in c and "CULA_KDA_TC_PREFETCH=66" in c) for c in splits]
+    assert old == [False, True] * 2
+    assert len(clock) == 1 and "kda_fwd_clock" in clock[0]

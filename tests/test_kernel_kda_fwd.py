@@ -128,7 +128,7 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_t_out_block32_pre26", True),
                                                ("intra_tc_t_out_block32_lean", True),
                                                ("intra_tc_t_out_block32_tma_qk", True),
-                                               ("intra_tc_t_out_block32_g_first", True)])
+                                               ("intra_tc_t_out_block32_tma_qkg", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -220,12 +220,14 @@ def test_ptx_compiles_clean(target, needs_wgmma):
             assert [rep.count(f"m64n{n}k16") for n in (16, 32, 48)] == [16, 16, 16]
         # the later CTA's q, k (threads 0-63) or v, g (64-127) rows: 2 lines each (4 for an fp32 g); where
         # both branches have the same shape, ptxas merges them into one on selected addresses (4)
-        from cula.kernels.sm90.kda_fwd_intra_tc import PREFETCH_AHEAD
+        # (none by default where TMA brings q, k and g: KdaFwdIntraTC.prefetch_for)
+        from cula.kernels.sm90.kda_fwd_intra_tc import PREFETCH_AHEAD, PREFETCH_LOADS
 
         fp32_g = "fp32_gate" in target or target.endswith("log_gate")  # log_gate: fp32 log-space gates
         lines = 2 + 2 + (0 if no_v_u else 2) + (4 if fp32_g else 2)
         n_pf = rep.count("prefetch.global.L2")
-        if target.endswith("prefetch") or PREFETCH_AHEAD:
+        pf = PREFETCH_AHEAD if PREFETCH_AHEAD is not None else 0 if tma_g else PREFETCH_LOADS
+        if target.endswith("prefetch") or pf:
             assert n_pf in (lines, lines // 2), n_pf
         else:
             assert n_pf == 0
@@ -558,29 +560,30 @@ def test_phase1_tma_qk_loads_q_k_by_tma():
 
 
 def test_phase1_tma_qkg_loads_g_by_tma_too():
-    """PHASE1 "tma_qkg" (the default since session 28): a bf16 gate arrives by two more TMA boxes (into the X tile)
+    """PHASE1 "tma_qkg" (session 28's first default): a bf16 gate arrives by two more TMA boxes (into the X tile)
     instead of 8 per-thread 16-byte global loads; the threads read the 8 rows back from shared memory; no spills.
     An fp32 gate keeps its per-thread loads."""
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
     from cula.kernels.sm90 import kda_fwd_intra_tc as tc
 
-    _assert_rows_moved_to_tma("intra_tc_t_out_block32_tma_qk", "intra_tc_t_out_block32", boxes=2, rows=8)
+    _assert_rows_moved_to_tma("intra_tc_t_out_block32_tma_qk", "intra_tc_t_out_block32_tma_qkg", boxes=2, rows=8)
     bulk = [ptx_report("cula.kernels.sm90.kda_fwd", t).ptx.count("cp.async.bulk.tensor")
             for t in ("intra_tc", "intra_tc_fp32_gate")]
     assert bulk[1] == bulk[0] - 2
-    assert tc.PHASE1_MODES[0] == "tma_qkg"
+    assert tc.PHASE1_MODES[0] == "tma_g_first"  # tma_qkg with g on a barrier of its own
 
 
 def test_phase1_tma_g_first_waits_for_q_k_after_the_gate_work():
-    """PHASE1 "tma_g_first" (opt-in): the same six boxes and per-thread loads as the default, on two mbarriers (g's
-    and q / k's, both set up by lane 0 before the warp's copies); the threads wait for g, run phase 1 and the
-    column pass (two CTA barriers), and only then wait for q and k, before the l2 norms' shuffles; no spills."""
+    """PHASE1 "tma_g_first" (the default since session 28): the same six boxes and per-thread loads as "tma_qkg",
+    on two mbarriers (g's and q / k's, both set up by lane 0 before the warp's copies); the threads wait for g, run
+    phase 1 and the column pass (two CTA barriers), and only then wait for q and k, before the l2 norms' shuffles;
+    no spills."""
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
 
-    base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32")
-    rep = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_g_first")
+    base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_tma_qkg")
+    rep = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32")
     ptx = rep.ptx
     for op in ("cp.async.bulk.tensor", "ld.global.v4"):
         assert ptx.count(op) == base.ptx.count(op), op

@@ -187,10 +187,10 @@ SCENARIOS = {
     # (the check cases') and the splits, against the default (g by TMA as well)
     "tma_qk_checks": ("tc", {"intra_tc.PHASE1": "tma_qk"}),
     "tma_qk_split": ("split", {"intra_tc.PHASE1": "tma_qk"}),
-    # device_round g_first: g on its own barrier, q and k waited for after the gate work (PHASE1 "tma_g_first")
-    "g_first_checks": ("tc", {"intra_tc.PHASE1": "tma_g_first"}),
-    "g_first_split": ("split", {"intra_tc.PHASE1": "tma_g_first"}),
-    "g_first_clock": ("split", {"intra_tc.PHASE1": "tma_g_first", "intra_tc.DIAG": ("clock",)}),
+    # device_round g_first: session 28's first default (PHASE1 "tma_qkg": g on q's and k's barrier, the L2 prefetch
+    # on) in the GPU test's calls (its prefetch off there, as the rule sets it) and the splits, against the default
+    "tma_qkg_checks": ("tc", {"intra_tc.PHASE1": "tma_qkg"}),
+    "tma_qkg_pf66_split": ("split", {"intra_tc.PHASE1": "tma_qkg", "intra_tc.PREFETCH_AHEAD": 66}),
     # device_round pf_tma: stage 1's L2 prefetch distance (CTAs ahead; 66 the default) now that q, k, g arrive by TMA
     **{f"pf{n}_split": ("split", {"intra_tc.PREFETCH_AHEAD": n}) for n in (0, 33, 132)},
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),

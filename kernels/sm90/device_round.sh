@@ -71,7 +71,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         pre26) envs="CULA_KDA_TC_PHASE1=pre26" ;;
         lean) envs="CULA_KDA_TC_PHASE1=lean" ;;
         tma_qk) envs="CULA_KDA_TC_PHASE1=tma_qk" ;;
-        g_first) envs="CULA_KDA_TC_PHASE1=tma_g_first" ;;
+        tma_qkg_pf66) envs="CULA_KDA_TC_PHASE1=tma_qkg CULA_KDA_TC_PREFETCH=66" ;;
         pf0 | pf33 | pf132) envs="CULA_KDA_TC_PREFETCH=${m#pf}" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
@@ -295,7 +295,8 @@ for s in $steps; do
         step phase1_check 260 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $phase1_cases
         mode_splits phase1_split default pre26 default pre26 ;;
     tma_qk)  # session 27: q and k by TMA into the Qa / Ka tiles (the default since its first run; g too since session
-        # 28, tma_qkg) through the checks, the GPU tests (bitwise the lean phase 1's outputs; Inf in later sequences' q, k reaches no earlier one),
+        # 28) through the checks, the GPU tests (bitwise the lean phase 1's outputs; Inf in later sequences' q, k
+        # reaches no earlier one),
         # then against session 26's phase 1 (CULA_KDA_TC_PHASE1=lean), twice in turn (<= 360 s; AOT lean_checks,
         # lean_split)
         step tma_qk_check 220 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $phase1_cases
@@ -320,19 +321,17 @@ for s in $steps; do
     pf_tma)  # session 28: stage 1's L2 prefetch distance now that q, k, g arrive by TMA: the default (66 CTAs ahead)
         # against none, 33 and 132, then the default again (~110 s; AOT pf0_split, pf33_split, pf132_split)
         mode_splits pf_tma default pf0 pf33 pf132 default ;;
-    g_first)  # session 28 (CPU-built): g on its own mbarrier, issued first; q and k waited for after phase 1, the
-        # column pass and phase 2's gate factors (CULA_KDA_TC_PHASE1=tma_g_first): one case first (a hang costs 45 s),
-        # the checks, the GPU test (bitwise tma_qkg's outputs; Inf / NaN in later sequences reaches no earlier one),
-        # then against the default twice in turn, and the clock (<= 260 s; AOT g_first_checks, g_first_split)
-        step g_first_sanity 45 env CULA_KDA_TC_PHASE1=tma_g_first python3 -u -m cula.kernels.sm90.kda_fwd --check \
-            --no-bench --cases tc-T1 || continue
-        step g_first_check 220 env CULA_KDA_TC_PHASE1=tma_g_first python3 -u -m cula.kernels.sm90.kda_fwd --check \
-            --no-bench --cases $phase1_cases
+    g_first)  # session 28: g on its own mbarrier, issued first, q and k waited for after the gate work, the L2
+        # prefetch off (the default since its first runs): one case first (a hang costs 45 s), the checks, the GPU
+        # tests (bitwise tma_qkg's / tma_qk's / lean's outputs; Inf / NaN in later sequences reaches no earlier
+        # one), then against session 28's first default (tma_qkg, prefetch 66 ahead) twice in turn, and the clock
+        # (<= 260 s; AOT checks, tma_qkg_checks, tma_qk_checks, lean_checks, tma_qkg_pf66_split)
+        step g_first_sanity 45 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-T1 || continue
+        step g_first_check 220 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $phase1_cases
         step g_first_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
-            -k "g_first"
-        mode_splits g_first_split default g_first default g_first
-        step g_first_clock 80 env CULA_KDA_TC_PHASE1=tma_g_first python3 -u -m cula.kernels.sm90.kda_fwd_clock \
-            --B 2 --T 16384 ;;
+            -k "g_first or tma_qk"
+        mode_splits g_first_split default tma_qkg_pf66 default tma_qkg_pf66
+        step g_first_clock 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384 ;;
     one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, "Where
         # the time goes and what is next"), twice in turn (<= 120 s; AOT scenario diag_one_cta)
         mode_splits one_cta_split default one_cta default one_cta ;;

@@ -116,8 +116,12 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: v, g rows of the CTA this many places later in launch order (0: off), so that CTA's 32 loads a thread
 #: hit L2. On since its H200 A/B (session 9: stage 1 6-8% faster at 66, 4.6% at 132; suite graph geomean
 #: 2.29x -> 2.39x). Session 6's TMA bulk prefetch of the same rows was 1-12% slower (the per-thread form
-#: also won over the bulk one in stage 2, session 8). ``CULA_KDA_TC_PREFETCH`` sets it for A/B runs.
-PREFETCH_AHEAD = int(__import__("os").environ.get("CULA_KDA_TC_PREFETCH", "66"))
+#: also won over the bulk one in stage 2, session 8). Where TMA brings q, k and g (a bf16 gate under the TMA phase
+#: 1s) it no longer pays and is off (session 28, H100: 0 against 66 −0.5% of stage 1 at B2 T16384, within noise
+#: on the n20 rows; with phase 1 "tma_g_first", −2.0%: kda_fwd_log.md): KdaFwdIntraTC.prefetch_for.
+#: ``CULA_KDA_TC_PREFETCH`` sets it for every build (A/B runs); unset (None), the rule above decides.
+PREFETCH_LOADS = 66
+PREFETCH_AHEAD = (lambda v: int(v) if v else None)(__import__("os").environ.get("CULA_KDA_TC_PREFETCH"))
 #: How phase 2 forms its reference factors per element (kda_fwd_log.md, sessions 20-21): "halves" (the default since
 #: session 21) 2^(Γ−C) and 2^(C−Γ) by exp2, 2^Γ never formed: the products that need it, q·2^Γ and k·2^Γ, are
 #: (q·2^(Γ−C))·2^(C/2)·2^(C/2) from the q·2^(Γ−C) already formed (136 MUFU per thread, no drift; the halves keep
@@ -138,12 +142,18 @@ GATE_FACTORS = __import__("os").environ.get("CULA_KDA_TC_GATE_FACTORS", "halves"
 #: 1.3-1.4% on the n20 rows. ``CULA_KDA_TC_SUBST=left`` for A/B.
 SUBST_MODES = ("right", "left")
 SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
-#: Phase 1's form. "tma_qkg" (session 28, the default since its H100 run) is "tma_qk" with a bf16 gate arriving by
-#: TMA too: its 64 rows land in the X tile (dead until phase 2 writes X), one more copy on the same mbarrier, read
-#: back like q, k; the 8 per-thread 16-byte g loads and their addresses go, and a last chunk's rows past the end are
-#: zeroed with q's and k's (a NaN there would survive the sigmoid gate's zero factor). An fp32 gate keeps the
-#: per-thread loads (g_by_tma). H100, session 28 (`--split worst`, twice each against tma_qk): stage 1 −1.1% at B2
-#: T16384 (1.641 -> 1.623 ms), −0.6 / −1.2 / −1.7% on the uniform / random / skewed n20 rows; nine checks PASS.
+#: Phase 1's form. "tma_g_first" (session 28, the default since its H100 run) brings q, k and a bf16 gate by TMA on
+#: two mbarriers, g's issued first: phase 1 (the gate, the cumsum, the group totals), the column pass and phase 2's
+#: gate factors run while q and k are still arriving; the threads wait for them, read them back and take the l2
+#: norms just before phase 2's rows (the clock, session 28: phase 1 waited 5,374 cycles of a chunk's 23,131 for
+#: its loads at two CTAs per SM, then worked 2,719). An fp32 gate keeps "tma_qk"'s one barrier. H100, session 28
+#: (`--split worst`, with the L2 prefetch off: PREFETCH_AHEAD): stage 1 −2.0% at B2 T16384 against "tma_qkg" with
+#: it (1.622 -> 1.590 ms, three times each), −1 to −3% on the n20 rows; with the prefetch on, ±0; nine checks PASS.
+#: "tma_qkg" (session 28's first default) is "tma_qk" with a bf16 gate arriving by TMA too, on the same mbarrier:
+#: its 64 rows land in the X tile (dead until phase 2 writes X) and are read back like q, k; the 8 per-thread
+#: 16-byte g loads and their addresses go, and a last chunk's rows past the end are zeroed with q's and k's (a NaN
+#: there would survive the sigmoid gate's zero factor). H100, session 28 (twice each against tma_qk): stage 1
+#: −1.1% at B2 T16384 (1.641 -> 1.623 ms), −0.6 / −1.2 / −1.7% on the uniform / random / skewed n20 rows.
 #: "tma_qk" (session 27) is "lean" with q and k arriving by TMA straight into the Qa / Ka tiles (warp 0, two
 #: copies, an mbarrier): no per-thread global loads, address arithmetic or raw-tile stores for them; the threads
 #: read their rows back from shared memory for the l2 sums. Rows past a partial chunk's end are the next tokens
@@ -154,14 +164,11 @@ SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
 #: half-warp by recursive halving (31 shuffles and one rsqrt per lane instead of a butterfly's 64 shuffles and 16
 #: rsqrt; the same sums, bitwise), the lower-bounded gate's exponent as one FFMA and the group totals as 16-byte
 #: stores: SASS 4,928 -> 4,736, 201 -> 197 registers (t_out, 32-row blocks). "pre26" is session 25's phase 1.
-#: ``CULA_KDA_TC_PHASE1=tma_qk`` / ``lean`` / ``pre26`` for A/B runs. ("mma_norms", the row norms as the diagonals
-#: of two wgmma products Q Qᵀ, K Kᵀ, was measured in session 27 and removed: −1.1% at B2 T16384 at best, +1 to +3%
-#: on the n20 rows; kda_fwd.md.) "tma_g_first" (session 28, opt-in) is "tma_qkg" with g on its own mbarrier,
-#: issued first: phase 1 (the gate, the cumsum, the group totals), the column pass and phase 2's gate factors run
-#: while q and k are still arriving; the threads wait for them, read them back and take the l2 norms just before
-#: phase 2's rows (the clock, session 28: phase 1 waited 5,374 cycles of a chunk's 23,131 for its loads at two
-#: CTAs per SM and then worked 2,719). An fp32 gate keeps "tma_qk"'s one barrier.
-PHASE1_MODES = ("tma_qkg", "tma_g_first", "tma_qk", "lean", "pre26")
+#: Every mode's outputs are bitwise the same. ``CULA_KDA_TC_PHASE1=tma_qkg`` (with ``CULA_KDA_TC_PREFETCH=66``:
+#: session 28's first default) / ``tma_qk`` / ``lean`` / ``pre26`` for A/B runs. ("mma_norms", the row norms as
+#: the diagonals of two wgmma products Q Qᵀ, K Kᵀ, was measured in session 27 and removed: −1.1% at B2 T16384 at
+#: best, +1 to +3% on the n20 rows; kda_fwd.md.)
+PHASE1_MODES = ("tma_g_first", "tma_qkg", "tma_qk", "lean", "pre26")
 PHASE1 = __import__("os").environ.get("CULA_KDA_TC_PHASE1", PHASE1_MODES[0])
 #: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
 #: kda_fwd warns): which part of stage 1's time is memory. They apply to whichever stage 1 is the default
@@ -219,7 +226,7 @@ class KdaFwdIntraTC:
         group: int,
         inv_wgmma: bool = True,
         pdl_trigger: str = "start",
-        prefetch_ahead: int = PREFETCH_AHEAD,
+        prefetch_ahead: int | None = PREFETCH_AHEAD,
         softplus_gate: bool = False,
         emit_akk: bool = False,
         log_gate: bool = False,
@@ -279,7 +286,8 @@ class KdaFwdIntraTC:
         # the last wave), "end" (after the chunk's work) or "" (never: stage 2 starts at this grid's end)
         assert pdl_trigger in ("start", "end", ""), pdl_trigger
         self.pdl_trigger = pdl_trigger
-        self.prefetch_ahead = prefetch_ahead  # CTAs ahead whose inputs this CTA asks L2 for (0: none)
+        # CTAs ahead whose inputs this CTA asks L2 for (0: none; None: prefetch_for's rule)
+        self.prefetch_ahead = prefetch_ahead
         self.use_qk_l2norm = use_qk_l2norm
         self.has_a_log = has_a_log
         self.has_dt_bias = has_dt_bias
@@ -375,6 +383,13 @@ class KdaFwdIntraTC:
     def g_by_tma(self, g_dtype) -> bool:
         """phase1 "tma_qkg" brings a bf16 gate by TMA only: an fp32 one keeps the per-thread loads."""
         return self.tma_g and g_dtype.width == 16
+
+    def prefetch_for(self, g_dtype) -> int:
+        """CTAs ahead for the per-thread L2 prefetch: ``prefetch_ahead`` where given, else none where TMA brings
+        q, k and g (it no longer pays there, session 28) and PREFETCH_LOADS where threads load g themselves."""
+        if self.prefetch_ahead is not None:
+            return self.prefetch_ahead
+        return 0 if self.g_by_tma(g_dtype) else PREFETCH_LOADS
 
     def g_first_by_tma(self, g_dtype) -> bool:
         """phase1 "tma_g_first" splits the loads' barrier for a bf16 gate only (the one g_by_tma brings)."""
@@ -472,10 +487,10 @@ class KdaFwdIntraTC:
     @cute.jit
     def prefetch_later_chunk(self, pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pG: cute.Pointer,
                              pChunks: cute.Pointer, tidx, chunk, hv, H, HV, NC):
-        """Ask L2 for the q, k, v, g rows of the CTA ``prefetch_ahead`` places later in launch order
+        """Ask L2 for the q, k, v, g rows of the CTA ``prefetch_for`` places later in launch order
         (chunk fastest, then head). Thread t takes row t % 64: q and k for t < 64, v and g otherwise,
         every 128-byte line of each row."""
-        nxt = hv * NC + chunk + self.prefetch_ahead
+        nxt = hv * NC + chunk + self.prefetch_for(pG.dtype)
         if nxt < HV * NC:
             hv_n = nxt // NC
             c_n = nxt - hv_n * NC
@@ -769,7 +784,7 @@ class KdaFwdIntraTC:
                 raw_v[rr, None].store(_vec(pV, (tok * HV + hv) * DV + d0, COLS_PER_THREAD).load())
             if cutlass.const_expr(not g_by_tma):
                 raw_g[rr, None].store(_vec(pG, (tok * HV + hv) * DK + d0, COLS_PER_THREAD).load())
-        if cutlass.const_expr(self.prefetch_ahead > 0):
+        if cutlass.const_expr(self.prefetch_for(pG.dtype) > 0):
             self.prefetch_later_chunk(pQ, pK, pV, pG, pChunks, tidx, chunk, hv, H, HV, NC)
         if tidx < CHUNK:
             keep_b = F32(1.0)
@@ -1613,10 +1628,9 @@ def compile_targets():
         "t_out_block32_pre26": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="pre26"),
         # session 26's phase 1 (q, k by per-thread loads; PHASE1 "lean")
         "t_out_block32_lean": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="lean"),
-        # session 27's phase 1 (q, k by TMA, g by per-thread loads; PHASE1 "tma_qk")
+        # session 28's first phase 1 (q, k, g by TMA on one barrier; PHASE1 "tma_qkg"); session 27's (q, k by TMA)
+        "t_out_block32_tma_qkg": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_qkg"),
         "t_out_block32_tma_qk": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_qk"),
-        # g on its own barrier, first; q and k waited for just before phase 2's rows (PHASE1 "tma_g_first")
-        "t_out_block32_g_first": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_g_first"),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
