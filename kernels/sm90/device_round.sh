@@ -303,11 +303,11 @@ for s in $steps; do
         step tma_qk_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "tma_qk"
         mode_splits tma_qk_split default lean default lean ;;
-    tma_qkg)  # session 28: g by TMA as well (phase 1 "tma_qkg", the default since its first run, session 28; the
-        # init / arrive split for racecheck is new): one case first (a hang costs 45 s), the checks, the GPU tests
-        # (bitwise the tma_qk / lean phase 1's outputs; NaN or Inf in later sequences' inputs reaches no earlier
-        # one), then against session 27's phase 1 (CULA_KDA_TC_PHASE1=tma_qk) once (<= 250 s; AOT tma_qk_checks,
-        # lean_checks, tma_qk_split)
+    tma_qkg)  # session 28: g by TMA as well (phase 1 "tma_qkg", the default from its first run until tma_g_first
+        # later that session; the init / arrive split for racecheck was new): one case first (a hang costs 45 s), the
+        # checks, the GPU tests (bitwise the tma_qk / lean phase 1's outputs; NaN or Inf in later sequences' inputs
+        # reaches no earlier one), then the default against session 27's phase 1 (CULA_KDA_TC_PHASE1=tma_qk) once
+        # (<= 250 s; AOT tma_qk_checks, lean_checks, tma_qk_split)
         step tma_qkg_sanity 45 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-T1 || continue
         step tma_qkg_check 220 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $phase1_cases
         step tma_qkg_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
@@ -318,8 +318,8 @@ for s in $steps; do
         step clock_tma_2cta 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384
         step clock_tma_1cta 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384 --one-cta
         step clock_tma_n20 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --T 4096 --dist uniform --n 20 ;;
-    pf_tma)  # session 28: stage 1's L2 prefetch distance now that q, k, g arrive by TMA: the default (66 CTAs ahead)
-        # against none, 33 and 132, then the default again (~110 s; AOT pf0_split, pf33_split, pf132_split)
+    pf_tma)  # session 28: stage 1's L2 prefetch distance now that q, k, g arrive by TMA: the default (66 CTAs ahead
+        # then, none since 2e1b3cc) against none, 33 and 132, then the default again (~110 s; AOT pf*_split)
         mode_splits pf_tma default pf0 pf33 pf132 default ;;
     g_first)  # session 28: g on its own mbarrier, issued first, q and k waited for after the gate work, the L2
         # prefetch off (the default since its first runs): one case first (a hang costs 45 s), the checks, the GPU
