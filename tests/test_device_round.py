@@ -150,3 +150,14 @@ def test_g_first_sanity_first_then_checks_gpu_tests_splits_and_clock(tmp_path):
     old = [("CULA_KDA_TC_PHASE1=tma_qkg" in c and "CULA_KDA_TC_PREFETCH=66" in c) for c in splits]
     assert old == [False, True] * 2
     assert len(clock) == 1 and "kda_fwd_clock" in clock[0]
+
+
+def test_persistent_sanity_first_then_checks_gpu_test_splits_and_clock(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "persistent")
+    sanity, check, test = cmds[:3]
+    assert "CULA_KDA_TC_PERSISTENT=1" in sanity and "--cases tc-T1" in sanity
+    assert "CULA_KDA_TC_PERSISTENT=1" in check and len(check.split("--cases ")[1].split()[0].split(",")) == 9
+    assert "pytest" in test and "persistent_stage1" in test
+    splits, clock = cmds[3:7], cmds[7:]
+    assert [("CULA_KDA_TC_PERSISTENT=1" in c) for c in splits] == [False, True] * 2
+    assert len(clock) == 1 and "kda_fwd_clock" in clock[0] and "CULA_KDA_TC_PERSISTENT=1" in clock[0]

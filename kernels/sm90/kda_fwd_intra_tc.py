@@ -121,6 +121,13 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: on the n20 rows; with phase 1 "tma_g_first", −2.0%: kda_fwd_log.md): KdaFwdIntraTC.prefetch_for.
 #: ``CULA_KDA_TC_PREFETCH`` sets it for every build (A/B runs); unset (None), the rule above decides.
 PREFETCH_LOADS = 66
+#: Persistent stage 1 (session 28, opt-in, CPU-built; session 24's loop, measured 15-23% slower then, before TMA,
+#: and removed in a8f2fb5): CTAS_PER_SM CTAs per SM (``persistent``: their number, from the host's SM count) walk
+#: the (chunk, head) items in launch order, CTA b taking items b, b + grid, ...; the loads' mbarriers are set up
+#: once and waited with the parity of the CTA's count of processed items. The bare loop first: whether it still
+#: costs time with TMA loads, before a chunk's copies are issued during the previous item (kda_fwd.md, "Next for
+#: stage 1"). ``CULA_KDA_TC_PERSISTENT=1``.
+PERSISTENT = __import__("os").environ.get("CULA_KDA_TC_PERSISTENT", "0") == "1"
 PREFETCH_AHEAD = (lambda v: int(v) if v else None)(__import__("os").environ.get("CULA_KDA_TC_PREFETCH"))
 #: How phase 2 forms its reference factors per element (kda_fwd_log.md, sessions 20-21): "halves" (the default since
 #: session 21) 2^(Γ−C) and 2^(C−Γ) by exp2, 2^Γ never formed: the products that need it, q·2^Γ and k·2^Γ, are
@@ -236,6 +243,7 @@ class KdaFwdIntraTC:
         subst: str = SUBST_MODES[0],
         factor_block: int = FACTOR_BLOCKS[0],
         phase1: str = PHASE1_MODES[0],
+        persistent: int = 0,
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -273,6 +281,9 @@ class KdaFwdIntraTC:
         if phase1 not in PHASE1_MODES:
             raise ValueError(f"phase1 (CULA_KDA_TC_PHASE1): expected one of {PHASE1_MODES}, got {phase1!r}")
         self.lean = phase1 != "pre26"  # PHASE1
+        self.persistent = persistent  # PERSISTENT: the persistent grid's CTAs (CTAS_PER_SM per SM), 0 = one per item
+        if persistent and phase1 not in ("tma_qkg", "tma_g_first", "tma_qk"):
+            raise ValueError(f"persistent (CULA_KDA_TC_PERSISTENT): needs a TMA phase 1, got phase1 {phase1!r}")
         self.tma_qk = phase1 in ("tma_qkg", "tma_g_first", "tma_qk")  # q and k by TMA
         self.tma_g = phase1 in ("tma_qkg", "tma_g_first")  # g too; for a bf16 gate only (g_by_tma)
         self.g_first = phase1 == "tma_g_first"  # g on its own barrier, q and k waited for late (g_first_by_tma)
@@ -377,7 +388,7 @@ class KdaFwdIntraTC:
             self.a_layout, self.kt_layout, kb_layouts[0], kb_layouts[1], kb_layouts[2], self.x_layout,
             self.tb_layout, self.w_layout, self.aqk_layout,
             num_heads, HV, NC, scale, lower_bound,
-        ).launch(grid=[NC, HV, 1], block=[THREADS, 1, 1], stream=stream,
+        ).launch(grid=self.grid(NC, HV), block=[THREADS, 1, 1], stream=stream,
                  smem=self.launch_smem(SharedStorage.size_in_bytes()), min_blocks_per_mp=CTAS_PER_SM)
 
     def g_by_tma(self, g_dtype) -> bool:
@@ -394,6 +405,12 @@ class KdaFwdIntraTC:
     def g_first_by_tma(self, g_dtype) -> bool:
         """phase1 "tma_g_first" splits the loads' barrier for a bf16 gate only (the one g_by_tma brings)."""
         return self.g_first and self.g_by_tma(g_dtype)
+
+    def grid(self, NC, HV) -> list:
+        """One CTA per (chunk, value head), or the persistent grid's CTAs (PERSISTENT), at most one per item."""
+        if cutlass.const_expr(self.persistent):
+            return [cutlass.min(NC * HV, self.persistent), 1, 1]
+        return [NC, HV, 1]
 
     def launch_smem(self, storage_bytes: int) -> int:
         """Dynamic shared memory the launch asks for: the storage, or ONE_CTA_SMEM under the ``one_cta`` diagnostic."""
@@ -463,17 +480,38 @@ class KdaFwdIntraTC:
     ):
         if cutlass.const_expr(self.pdl_trigger == "start"):
             cute.arch.griddepcontrol_launch_dependents()
-        # The sync-free varlen tables end in dummy chunks (nvalid = 0) that nobody reads: leave at once.
-        chunk, _, _ = cute.arch.block_idx()
-        chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
-        if chunks[chunk, 1] > 0:
-            self.chunk_body(
-                pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW,
-                tma_u, tU, tma_aqk, tAqk, tma_q, tQ, tma_k, tK, tma_g, tG, mma_diag, mma_off1, mma_off2, mma_off3,
-                mma_wu,
-                a_layout, kt_layout, kb1_layout, kb2_layout, kb3_layout, x_layout, tb_layout, w_layout, aqk_layout, H,
-                HV, NC, scale, lower_bound,
-            )
+        # The sync-free varlen tables end in dummy chunks (nvalid = 0) that nobody reads: leave at once (skip).
+        if cutlass.const_expr(self.persistent):
+            # items in launch order (chunk fastest, then head), CTA b taking b, b + grid, ...; n_done counts the
+            # items this CTA processed: the loads' mbarriers flip parity once per processed item
+            bid, _, _ = cute.arch.block_idx()
+            n_ctas, _, _ = cute.arch.grid_dim()
+            n_done = cutlass.Int32(0)
+            for item in cutlass.range(bid, NC * HV, n_ctas, unroll=1):
+                hv = item // NC
+                chunk = item - hv * NC
+                chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
+                if chunks[chunk, 1] > 0:
+                    self.chunk_body(
+                        pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW,
+                        tma_u, tU, tma_aqk, tAqk, tma_q, tQ, tma_k, tK, tma_g, tG, mma_diag, mma_off1, mma_off2,
+                        mma_off3, mma_wu, a_layout, kt_layout, kb1_layout, kb2_layout, kb3_layout, x_layout,
+                        tb_layout, w_layout, aqk_layout, H, HV, NC, scale, lower_bound, chunk, hv, n_done,
+                    )
+                    # thread 0 waited for the TMA stores' reads of shared memory at the item's end: no thread
+                    # writes it (nor does a copy of the next item land) before that
+                    cute.arch.sync_threads()
+                    n_done = n_done + 1
+        else:
+            chunk, _, _ = cute.arch.block_idx()
+            chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
+            if chunks[chunk, 1] > 0:  # (chunk_body reads the block index itself: the PTX as before)
+                self.chunk_body(
+                    pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW,
+                    tma_u, tU, tma_aqk, tAqk, tma_q, tQ, tma_k, tK, tma_g, tG, mma_diag, mma_off1, mma_off2,
+                    mma_off3, mma_wu, a_layout, kt_layout, kb1_layout, kb2_layout, kb3_layout, x_layout, tb_layout,
+                    w_layout, aqk_layout, H, HV, NC, scale, lower_bound, None, None, None,
+                )
         if cutlass.const_expr(self.pdl_trigger == "end"):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -647,14 +685,20 @@ class KdaFwdIntraTC:
         NC: cutlass.Int32,
         scale: cutlass.Float32,
         lower_bound: cutlass.Float32,
+        chunk,
+        hv,
+        n_done,
     ):
+        """One (chunk, value head): the block's own where ``chunk`` and ``hv`` are None; under PERSISTENT the
+        item's, ``n_done`` the items this CTA processed before it (the parity of the loads' mbarriers)."""
         tidx, _, _ = cute.arch.thread_idx()
         ts = None  # the clock diagnostic's stamps (thread 0's registers)
         if cutlass.const_expr(self.clock):
             ts = cute.make_rmem_tensor(cute.make_layout(CLOCK_SLOTS), cutlass.Int64)
             ts.fill(0)
         self.stamp(ts, "entry", tidx)
-        chunk, hv, _ = cute.arch.block_idx()
+        if cutlass.const_expr(chunk is None):
+            chunk, hv, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
         grp = tidx // 16  # row group: rows rpt grp .. + rpt - 1 (block grp // 2 = warp)
@@ -744,10 +788,17 @@ class KdaFwdIntraTC:
                 s_g = st.sX.get_tensor(a_layout.outer, swizzle=a_layout.inner)
             if warp == 0:  # a TMA copy is issued by a whole warp (it elects its one issuing lane)
                 if lane == 0:
-                    cute.arch.mbarrier_init(mbar, 1)
-                    if cutlass.const_expr(g_first):
-                        cute.arch.mbarrier_init(mbar_qk, 1)
-                    cute.arch.mbarrier_init_fence()
+                    if cutlass.const_expr(n_done is None):
+                        cute.arch.mbarrier_init(mbar, 1)
+                        if cutlass.const_expr(g_first):
+                            cute.arch.mbarrier_init(mbar_qk, 1)
+                        cute.arch.mbarrier_init_fence()
+                    else:  # PERSISTENT: once per CTA, before its first item's copies
+                        if n_done == 0:
+                            cute.arch.mbarrier_init(mbar, 1)
+                            if cutlass.const_expr(g_first):
+                                cute.arch.mbarrier_init(mbar_qk, 1)
+                            cute.arch.mbarrier_init_fence()
                 # ptxas issues the init on the warp's uniform datapath: racecheck then sees it and lane 0's
                 # arrive as two lanes' accesses (a warning, 16 a launch on tc-T1, session 28) unless the warp
                 # synchronises between them
@@ -807,7 +858,7 @@ class KdaFwdIntraTC:
             self.stamp(ts, "tma_wait", tidx)  # no TMA: the span is empty
         if cutlass.const_expr(self.tma_qk):
             cute.arch.sync_threads()  # the mbarrier's initialisation is visible to every thread
-            cute.arch.mbarrier_wait(mbar, 0)
+            cute.arch.mbarrier_wait(mbar, 0 if cutlass.const_expr(n_done is None) else n_done % 2)
             self.stamp(ts, "tma_wait", tidx)  # q, k (and g) have landed (g_first: g alone)
             zero8 = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
             zero8.fill(0.0)
@@ -950,7 +1001,7 @@ class KdaFwdIntraTC:
                 hc[c] = cute.math.exp2(cref[c] * F32(0.5), fastmath=True)
                 hx[c] = -hc[c] if cutlass.const_expr(self.t_out) else hc[c]
         if cutlass.const_expr(g_first):  # q and k, waited for only now: their zeroed tail, row sums and norms
-            cute.arch.mbarrier_wait(mbar_qk, 0)
+            cute.arch.mbarrier_wait(mbar_qk, 0 if cutlass.const_expr(n_done is None) else n_done % 2)
             zero8q = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
             zero8q.fill(0.0)
             if nvalid < CHUNK:  # uniform: a sequence's last chunk only
@@ -1631,6 +1682,8 @@ def compile_targets():
         # session 28's first phase 1 (q, k, g by TMA on one barrier; PHASE1 "tma_qkg"); session 27's (q, k by TMA)
         "t_out_block32_tma_qkg": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_qkg"),
         "t_out_block32_tma_qk": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_qk"),
+        # the persistent stage 1 (PERSISTENT; 264 CTAs: two per SM of an H100 / H200)
+        "t_out_block32_persistent": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, persistent=264),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
