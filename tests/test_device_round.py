@@ -161,3 +161,14 @@ def test_persistent_sanity_first_then_checks_gpu_test_splits_and_clock(tmp_path)
     splits, clock = cmds[3:7], cmds[7:]
     assert [("CULA_KDA_TC_PERSISTENT=1" in c) for c in splits] == [False, True] * 2
     assert len(clock) == 1 and "kda_fwd_clock" in clock[0] and "CULA_KDA_TC_PERSISTENT=1" in clock[0]
+
+
+def test_persistent_g_splits_default_loop_and_next_g_twice(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "persistent_g")
+    sanity, check, test = cmds[:3]
+    assert "CULA_KDA_TC_PERSISTENT_G=1" in sanity and "--cases tc-T1" in sanity
+    assert "CULA_KDA_TC_PERSISTENT_G=1" in check and "persistent_stage1" in test
+    splits, clock = cmds[3:9], cmds[9:]
+    modes = [("PERSISTENT=1" in c) + ("PERSISTENT_G=1" in c) for c in splits]
+    assert modes == [0, 1, 2] * 2
+    assert len(clock) == 1 and "CULA_KDA_TC_PERSISTENT_G=1" in clock[0]

@@ -129,7 +129,8 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_t_out_block32_lean", True),
                                                ("intra_tc_t_out_block32_tma_qk", True),
                                                ("intra_tc_t_out_block32_tma_qkg", True),
-                                               ("intra_tc_t_out_block32_persistent", True)])
+                                               ("intra_tc_t_out_block32_persistent", True),
+                                               ("intra_tc_t_out_block32_persistent_g", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -202,7 +203,8 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         tma_g = tma_qk and not target.endswith("_tma_qk") and not fp32_g
         # TMA stores: aqk, w and u (two 64-column boxes); t_out: T' beside Aqk instead of u
         assert rep.count("cp.async.bulk.tensor") == ((4 if "t_out" in target else 3 if no_v_u else 5)
-                                                     + (4 if tma_qk else 0) + (2 if tma_g else 0))
+                                                     + (4 if tma_qk else 0) + (2 if tma_g else 0)
+                                                     + (2 if target.endswith("persistent_g") else 0))
         # 16-byte accesses: 8 rows x q, k, v, g per thread, less those that TMA brings
         loads = (24 if no_v_u else 32) - (16 if tma_qk else 0) - (8 if tma_g else 0)
         assert rep.count("ld.global.v4") >= loads and rep.count("st.shared.v4") >= 24
@@ -232,6 +234,13 @@ def test_ptx_compiles_clean(target, needs_wgmma):
             assert n_pf in (lines, lines // 2), n_pf
         else:
             assert n_pf == 0
+        if target.endswith("persistent_g"):
+            # the next item's g: one more copy site (two boxes, after phase 1's barrier, into the v tile) and one
+            # more arrive; the same two waits
+            base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_persistent")
+            assert rep.count("cp.async.bulk.tensor") == base.count("cp.async.bulk.tensor") + 2
+            assert rep.count("mbarrier.arrive.expect_tx") == base.count("mbarrier.arrive.expect_tx") + 1
+            assert rep.count("mbarrier.try_wait.parity") == base.count("mbarrier.try_wait.parity")
         if target.endswith("persistent"):
             # one CTA barrier more per item (shared memory reused only after thread 0's wait for the TMA
             # stores' reads), the grid size read for the loop stride; the loads' barriers set up once per CTA
@@ -838,12 +847,14 @@ def test_gpu_tma_g_first_equals_tma_qkg_and_ignores_later_sequences(monkeypatch,
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("prefetch_g", [False, True], ids=["loop", "next-g"])
 @pytest.mark.parametrize("name", ["big-fixed", "big-varlen", "tc-varlen-zero", "tc-T65-gva-vfirst"])
-def test_gpu_persistent_stage1_equals_the_default(name, monkeypatch):
+def test_gpu_persistent_stage1_equals_the_default(name, prefetch_g, monkeypatch):
     """``PERSISTENT`` runs the same chunk body on the same values, each CTA walking several items (B1 T8192 H16:
     2,048 items on 264 CTAs; varlen n20 T8192 H16 with its dummy chunks; two small cases with fewer items than
-    CTAs), the loads' mbarriers flipping parity per processed item: o and the final state bitwise the default's,
-    twice, and inside a CUDA graph."""
+    CTAs), the loads' mbarriers flipping parity per processed item; ``prefetch_g``: each item copies its CTA's
+    next item's g (PERSISTENT_G; the varlen case's dummy chunks break the chain): o and the final state bitwise
+    the default's, twice, and inside a CUDA graph."""
     from cula.kernels.sm90 import kda_fwd_check as chk
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
@@ -859,6 +870,7 @@ def test_gpu_persistent_stage1_equals_the_default(name, monkeypatch):
     monkeypatch.setattr(intra_tc, "PERSISTENT", False)
     o_ref, ht_ref = kda_fwd.kda_fwd(*args, **kw)
     monkeypatch.setattr(intra_tc, "PERSISTENT", True)
+    monkeypatch.setattr(intra_tc, "PERSISTENT_G", prefetch_g)
     for _ in range(2):
         o, ht = kda_fwd.kda_fwd(*args, **kw)
         torch.cuda.synchronize()
@@ -888,6 +900,14 @@ def test_host_path_persistent_stage1(monkeypatch):
     keys = [dict(key[0]) for kind, key, _, _ in calls if kind == "intra_tc"]
     assert keys[0].get("persistent") == 264 and "persistent" not in keys[1]
     assert {k: v for k, v in keys[0].items() if k != "persistent"} == keys[1]
+    monkeypatch.setattr(intra_tc, "PERSISTENT", True)
+    monkeypatch.setattr(intra_tc, "PERSISTENT_G", True)
+    kda_fwd.kda_fwd(*args, **kw)
+    keys = [dict(key[0]) for kind, key, _, _ in calls if kind == "intra_tc"]
+    assert keys[-1].get("prefetch_g") is True and keys[-1].get("persistent") == 264
+    with pytest.raises(ValueError, match="CULA_KDA_TC_PERSISTENT_G"):
+        intra_tc.KdaFwdIntraTC(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
+                               allow_neg_eigval=False, group=1, t_out=True, prefetch_g=True)
     with pytest.raises(ValueError, match="CULA_KDA_TC_PERSISTENT"):
         intra_tc.KdaFwdIntraTC(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
                                allow_neg_eigval=False, group=1, phase1="lean", persistent=264)

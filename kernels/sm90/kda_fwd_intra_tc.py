@@ -128,6 +128,11 @@ PREFETCH_LOADS = 66
 #: costs time with TMA loads, before a chunk's copies are issued during the previous item (kda_fwd.md, "Next for
 #: stage 1"). ``CULA_KDA_TC_PERSISTENT=1``.
 PERSISTENT = __import__("os").environ.get("CULA_KDA_TC_PERSISTENT", "0") == "1"
+#: With PERSISTENT (and "tma_g_first", t_out, a bf16 gate): each item issues the gate copy of the CTA's next item
+#: (item + grid, where it has rows) right after its own phase 1, into the v tile (never used with t_out), so the
+#: next item's g has landed before it starts; an item whose predecessor in the CTA did not (its first, or one after
+#: a dummy chunk) issues its own. Session 28, CPU-built: ``CULA_KDA_TC_PERSISTENT_G=1``.
+PERSISTENT_G = __import__("os").environ.get("CULA_KDA_TC_PERSISTENT_G", "0") == "1"
 PREFETCH_AHEAD = (lambda v: int(v) if v else None)(__import__("os").environ.get("CULA_KDA_TC_PREFETCH"))
 #: How phase 2 forms its reference factors per element (kda_fwd_log.md, sessions 20-21): "halves" (the default since
 #: session 21) 2^(Γ−C) and 2^(C−Γ) by exp2, 2^Γ never formed: the products that need it, q·2^Γ and k·2^Γ, are
@@ -244,6 +249,7 @@ class KdaFwdIntraTC:
         factor_block: int = FACTOR_BLOCKS[0],
         phase1: str = PHASE1_MODES[0],
         persistent: int = 0,
+        prefetch_g: bool = False,
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -284,6 +290,11 @@ class KdaFwdIntraTC:
         self.persistent = persistent  # PERSISTENT: the persistent grid's CTAs (CTAS_PER_SM per SM), 0 = one per item
         if persistent and phase1 not in ("tma_qkg", "tma_g_first", "tma_qk"):
             raise ValueError(f"persistent (CULA_KDA_TC_PERSISTENT): needs a TMA phase 1, got phase1 {phase1!r}")
+        # PERSISTENT_G: the next item's g copied during this one (into the v tile: t_out only)
+        if prefetch_g and not (persistent and t_out and phase1 == "tma_g_first"):
+            raise ValueError("prefetch_g (CULA_KDA_TC_PERSISTENT_G): needs persistent, t_out and phase1 "
+                             f"'tma_g_first', got persistent={persistent}, t_out={t_out}, phase1={phase1!r}")
+        self.prefetch_g = prefetch_g
         self.tma_qk = phase1 in ("tma_qkg", "tma_g_first", "tma_qk")  # q and k by TMA
         self.tma_g = phase1 in ("tma_qkg", "tma_g_first")  # g too; for a bf16 gate only (g_by_tma)
         self.g_first = phase1 == "tma_g_first"  # g on its own barrier, q and k waited for late (g_first_by_tma)
@@ -394,6 +405,12 @@ class KdaFwdIntraTC:
     def g_by_tma(self, g_dtype) -> bool:
         """phase1 "tma_qkg" brings a bf16 gate by TMA only: an fp32 one keeps the per-thread loads."""
         return self.tma_g and g_dtype.width == 16
+
+    @staticmethod
+    def tma_rows(tma_x, t_x, s_x, tok0, head, one):
+        """The (smem, gmem) partitions of one TMA box: ``head``'s 64 rows from token ``tok0`` into tile ``s_x``."""
+        g_x = cute.local_tile(cute.domain_offset((tok0, 0), t_x[None, None, head]), (CHUNK, DK), (None, 0))
+        return cpasync.tma_partition(tma_x, 0, one, cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2))
 
     def prefetch_for(self, g_dtype) -> int:
         """CTAs ahead for the per-thread L2 prefetch: ``prefetch_ahead`` where given, else none where TMA brings
@@ -780,12 +797,26 @@ class KdaFwdIntraTC:
         mbar_qk = None
         g_by_tma = self.g_by_tma(pG.dtype)
         g_first = self.g_first_by_tma(pG.dtype)
+        pf_g = self.prefetch_g and g_first  # PERSISTENT_G: g lands in the v tile, copied during the item before
+        g_raw = v_raw if cutlass.const_expr(pf_g) else x_raw
+        g_ready = cutlass.Int32(0)  # PERSISTENT_G: the CTA's previous item (it had rows) copied this item's g
+        items = cute.make_tensor(pChunks, cute.make_layout((NC, 2), stride=(2, 1)))  # every chunk's (tok0, nvalid)
+        n_ctas = cutlass.Int32(0)
+        if cutlass.const_expr(pf_g):
+            n_ctas, _, _ = cute.arch.grid_dim()
+            prev = hv * NC + chunk - n_ctas
+            if prev >= 0:
+                if items[prev - (prev // NC) * NC, 1] > 0:
+                    g_ready = cutlass.Int32(1)
         if cutlass.const_expr(self.tma_qk):  # q and k straight into the Qa / Ka tiles, issued first
             mbar = st.sMbar.data_ptr()
             mbar_qk = mbar + 1 if cutlass.const_expr(g_first) else mbar  # g_first: g on mbar, q and k on this
             s_g = sX  # tma_qkg: the X tile, read as a K-major tile (dead until phase 2 writes X)
             if cutlass.const_expr(g_by_tma):
                 s_g = st.sX.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+            if cutlass.const_expr(pf_g):
+                s_g = st.sV.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+            one = cute.make_layout(1)
             if warp == 0:  # a TMA copy is issued by a whole warp (it elects its one issuing lane)
                 if lane == 0:
                     if cutlass.const_expr(n_done is None):
@@ -805,24 +836,29 @@ class KdaFwdIntraTC:
                 cute.arch.sync_warp()
                 if lane == 0:
                     tile_bytes = CHUNK * DK * BF16.width // 8
-                    if cutlass.const_expr(g_first):
+                    if cutlass.const_expr(pf_g):
+                        if g_ready == 0:
+                            cute.arch.mbarrier_arrive_and_expect_tx(mbar, tile_bytes)
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar_qk, 2 * tile_bytes)
+                    elif cutlass.const_expr(g_first):
                         cute.arch.mbarrier_arrive_and_expect_tx(mbar, tile_bytes)
                         cute.arch.mbarrier_arrive_and_expect_tx(mbar_qk, 2 * tile_bytes)
                     else:
                         n_tiles = 3 if cutlass.const_expr(g_by_tma) else 2
                         cute.arch.mbarrier_arrive_and_expect_tx(mbar, n_tiles * tile_bytes)
                 cute.arch.sync_warp()
-                one = cute.make_layout(1)
                 loads = [(tma_q, tQ, sQa, hq, mbar_qk), (tma_k, tK, sKa, hq, mbar_qk)]
-                if cutlass.const_expr(g_first):  # g first, then k, then q: the order phase 1 needs them in
+                if cutlass.const_expr(pf_g):  # g only where the item before did not copy it
+                    loads = [loads[1], loads[0]]
+                    ts_g, tg_g = self.tma_rows(tma_g, tG, s_g, tok0, hv, one)
+                    if g_ready == 0:
+                        cute.copy(tma_g, tg_g[None, 0], ts_g[None, 0], tma_bar_ptr=mbar)
+                elif cutlass.const_expr(g_first):  # g first, then k, then q: the order phase 1 needs them in
                     loads = [(tma_g, tG, s_g, hv, mbar), loads[1], loads[0]]
                 elif cutlass.const_expr(g_by_tma):
                     loads.append((tma_g, tG, s_g, hv, mbar))
                 for tma_x, t_x, s_x, head, bar in loads:
-                    g_x = cute.local_tile(cute.domain_offset((tok0, 0), t_x[None, None, head]), (CHUNK, DK),
-                                          (None, 0))
-                    ts_x, tg_x = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(s_x, 0, 2),
-                                                       cute.group_modes(g_x, 0, 2))
+                    ts_x, tg_x = self.tma_rows(tma_x, t_x, s_x, tok0, head, one)
                     cute.copy(tma_x, tg_x[None, 0], ts_x[None, 0], tma_bar_ptr=bar)
         for rr in cutlass.range_constexpr(rpt):
             tok = tok0 + cutlass.min(r0 + rr, nvalid - 1)
@@ -869,13 +905,13 @@ class KdaFwdIntraTC:
                             _st8(a_layout, qa_raw, (r0 + rr, d0, 0), zero8)
                             _st8(a_layout, ka_raw, (r0 + rr, d0, 0), zero8)
                         if cutlass.const_expr(g_by_tma):
-                            _st8(a_layout, x_raw, (r0 + rr, d0, 0), zero8)
+                            _st8(a_layout, g_raw, (r0 + rr, d0, 0), zero8)
             for rr in cutlass.range_constexpr(rpt):
                 if cutlass.const_expr(not g_first):
                     _ld8(a_layout, qa_raw, (r0 + rr, d0, 0), raw_q[rr, None])
                     _ld8(a_layout, ka_raw, (r0 + rr, d0, 0), raw_k[rr, None])
                 if cutlass.const_expr(g_by_tma):
-                    _ld8(a_layout, x_raw, (r0 + rr, d0, 0), raw_g[rr, None])
+                    _ld8(a_layout, g_raw, (r0 + rr, d0, 0), raw_g[rr, None])
         for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
             keep = F32(1.0)
@@ -945,6 +981,18 @@ class KdaFwdIntraTC:
                     sFirst[grp // GROUPS_PER_BLOCK, d0 + c] = gl[0, c]
         cute.arch.sync_threads()
         self.stamp(ts, "phase1", tidx)
+        if cutlass.const_expr(pf_g):  # every thread has read its g rows: the CTA's next item's g into the v tile
+            nxt = hv * NC + chunk + n_ctas
+            if warp == 0:
+                if nxt < NC * HV:
+                    hv_n = nxt // NC
+                    c_n = nxt - hv_n * NC
+                    if items[c_n, 1] > 0:  # it has rows, so this CTA processes it next
+                        if lane == 0:
+                            cute.arch.mbarrier_arrive_and_expect_tx(mbar, CHUNK * DK * BF16.width // 8)
+                        cute.arch.sync_warp()
+                        ts_n, tg_n = self.tma_rows(tma_g, tG, s_g, items[c_n, 0], hv_n, one)
+                        cute.copy(tma_g, tg_n[None, 0], ts_n[None, 0], tma_bar_ptr=mbar)
 
         # ============================================ phase 2: reference factors and operand tiles
         fbk = self.factor_block
@@ -1684,6 +1732,9 @@ def compile_targets():
         "t_out_block32_tma_qk": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_qk"),
         # the persistent stage 1 (PERSISTENT; 264 CTAs: two per SM of an H100 / H200)
         "t_out_block32_persistent": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, persistent=264),
+        # ... with each item copying its CTA's next item's g (PERSISTENT_G)
+        "t_out_block32_persistent_g": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, persistent=264,
+                                            prefetch_g=True),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
