@@ -116,13 +116,20 @@ def test_tma_qk_checks_gpu_test_then_splits_against_lean(tmp_path):
     assert [("CULA_KDA_TC_PHASE1=lean" in c) for c in splits] == [False, True] * 2
 
 
+def new_kernel_head(cmds: list[str], env: str, default: bool, k: str) -> list[str]:
+    """The first three commands of a new stage 1's step: one case under a short limit (a hang costs 45 s), the
+    nine tc checks, the GPU tests ``-k k``; ``env`` set in the first two unless the mode is already the default.
+    Returns the commands after them."""
+    sanity, check, test = cmds[:3]
+    assert (env not in sanity) == default and "--cases tc-T1" in sanity
+    assert (env not in check) == default and len(check.split("--cases ")[1].split()[0].split(",")) == 9
+    assert "pytest" in test and k in test.split(" -k ")[1]
+    return cmds[3:]
+
+
 def test_tma_qkg_sanity_first_then_checks_gpu_tests_and_a_split_against_tma_qk(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "tma_qkg")
-    sanity, check, test = cmds[:3]
-    assert "CULA_KDA_TC_PHASE1" not in sanity and "--cases tc-T1" in sanity  # tma_qkg is the default
-    assert "CULA_KDA_TC_PHASE1" not in check and len(check.split("--cases ")[1].split()[0].split(",")) == 9
-    assert "pytest" in test and "tma_qk" in test.split(" -k ")[1]
-    splits = cmds[3:]
+    splits = new_kernel_head(cmds, "CULA_KDA_TC_PHASE1", True, "tma_qk")  # tma_qkg was the default
     assert len(splits) == 2 and [("CULA_KDA_TC_PHASE1=tma_qk" in c) for c in splits] == [False, True]
 
 
@@ -141,11 +148,8 @@ def test_pf_tma_splits_each_prefetch_distance_between_two_defaults(tmp_path):
 
 def test_g_first_sanity_first_then_checks_gpu_tests_splits_and_clock(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "g_first")
-    sanity, check, test = cmds[:3]
-    assert "CULA_KDA_TC_PHASE1" not in sanity and "--cases tc-T1" in sanity  # tma_g_first is the default
-    assert "CULA_KDA_TC_PHASE1" not in check and len(check.split("--cases ")[1].split()[0].split(",")) == 9
-    assert "pytest" in test and "g_first" in test.split(" -k ")[1]
-    splits, clock = cmds[3:7], cmds[7:]
+    rest = new_kernel_head(cmds, "CULA_KDA_TC_PHASE1", True, "g_first")  # tma_g_first is the default
+    splits, clock = rest[:4], rest[4:]
     assert all("--split worst" in c for c in splits)
     old = [("CULA_KDA_TC_PHASE1=tma_qkg" in c and "CULA_KDA_TC_PREFETCH=66" in c) for c in splits]
     assert old == [False, True] * 2
@@ -154,21 +158,16 @@ def test_g_first_sanity_first_then_checks_gpu_tests_splits_and_clock(tmp_path):
 
 def test_persistent_sanity_first_then_checks_gpu_test_splits_and_clock(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "persistent")
-    sanity, check, test = cmds[:3]
-    assert "CULA_KDA_TC_PERSISTENT=1" in sanity and "--cases tc-T1" in sanity
-    assert "CULA_KDA_TC_PERSISTENT=1" in check and len(check.split("--cases ")[1].split()[0].split(",")) == 9
-    assert "pytest" in test and "persistent_stage1" in test
-    splits, clock = cmds[3:7], cmds[7:]
+    rest = new_kernel_head(cmds, "CULA_KDA_TC_PERSISTENT=1", False, "persistent_stage1")
+    splits, clock = rest[:4], rest[4:]
     assert [("CULA_KDA_TC_PERSISTENT=1" in c) for c in splits] == [False, True] * 2
     assert len(clock) == 1 and "kda_fwd_clock" in clock[0] and "CULA_KDA_TC_PERSISTENT=1" in clock[0]
 
 
 def test_persistent_g_splits_default_loop_and_next_g_twice(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "persistent_g")
-    sanity, check, test = cmds[:3]
-    assert "CULA_KDA_TC_PERSISTENT_G=1" in sanity and "--cases tc-T1" in sanity
-    assert "CULA_KDA_TC_PERSISTENT_G=1" in check and "persistent_stage1" in test
-    splits, clock = cmds[3:9], cmds[9:]
+    rest = new_kernel_head(cmds, "CULA_KDA_TC_PERSISTENT_G=1", False, "persistent_stage1")
+    splits, clock = rest[:6], rest[6:]
     modes = [("PERSISTENT=1" in c) + ("PERSISTENT_G=1" in c) for c in splits]
     assert modes == [0, 1, 2] * 2
     assert len(clock) == 1 and "CULA_KDA_TC_PERSISTENT_G=1" in clock[0]

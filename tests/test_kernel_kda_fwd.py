@@ -764,82 +764,40 @@ def test_gpu_u_in_recur_partial_chunk_ignores_the_next_sequence(monkeypatch):
     assert torch.equal(ht[0], ht2[0])
 
 
+#: (phase 1 before, the TMA phase 1 after it, which of a later sequence's inputs are poisoned: Inf in q, k; NaN in g)
+TMA_PHASE1_STEPS = [("lean", "tma_qk", "qk"), ("tma_qk", "tma_qkg", "g"), ("tma_qkg", "tma_g_first", "qkg")]
+
+
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("before,after,poisoned", TMA_PHASE1_STEPS, ids=[s[1] for s in TMA_PHASE1_STEPS])
 @pytest.mark.parametrize("case", ["tc-varlen-zero", "tc-softplus-varlen-zero"])
-def test_gpu_tma_qk_equals_lean_and_ignores_later_sequences(monkeypatch, case):
-    """PHASE1 "tma_qk" loads q, k by TMA: a partial chunk's rows past its sequence are the next tokens there.
-    Its outputs are bitwise the lean phase 1's (the same values reach the same arithmetic), for 32-row (lb −0.1)
-    and 16-row (softplus) factor blocks, and Inf in every later sequence's q and k leaves the first sequences'
-    o and final states bitwise unchanged (cu_seqlens 0, 0, 15, 15, 79, 200: the first chunk is partial)."""
+def test_gpu_tma_phase1_equals_the_one_before_and_ignores_later_sequences(monkeypatch, case, before, after,
+                                                                           poisoned):
+    """Each TMA phase 1 against the one it grew from: "tma_qk" loads q, k by TMA (against lean), "tma_qkg" a bf16
+    g too, "tma_g_first" waits for q and k after the gate work. A partial chunk's rows past its sequence are the
+    next tokens there. The outputs are bitwise the phase 1 before's (the same values reach the same arithmetic),
+    for 32-row (lb −0.1) and 16-row (softplus) factor blocks, and Inf in every later sequence's q and k, NaN in its
+    g (which a zero factor would not remove), leave the first sequences' o and final states bitwise unchanged
+    (cu_seqlens 0, 0, 15, 15, 79, 200: the first chunk is partial)."""
     from cula.kernels.sm90 import kda_fwd_check as chk
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
     (spec,) = [c for c in chk.CASES if c[0] == case]
     args, kw = chk._inputs(*spec, dev=torch.device("cuda"))
-    monkeypatch.setattr(intra_tc, "PHASE1", "tma_qk")
-    o, ht = kda_fwd.kda_fwd(*args, **kw)
-    monkeypatch.setattr(intra_tc, "PHASE1", "lean")
+    monkeypatch.setattr(intra_tc, "PHASE1", before)
     o1, ht1 = kda_fwd.kda_fwd(*args, **kw)
-    monkeypatch.setattr(intra_tc, "PHASE1", "tma_qk")
-    assert torch.equal(o, o1) and torch.equal(ht, ht1)
-    q, k, v, g, beta = args
-    q_bad, k_bad = q.clone(), k.clone()
-    q_bad[:, 15:] = float("inf")
-    k_bad[:, 15:] = float("inf")
-    o2, ht2 = kda_fwd.kda_fwd(q_bad, k_bad, v, g, beta, **kw)
-    assert torch.isfinite(o[:, :15]).all() and torch.equal(o[:, :15], o2[:, :15])
-    assert torch.equal(ht[:2], ht2[:2])
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("case", ["tc-varlen-zero", "tc-softplus-varlen-zero"])
-def test_gpu_tma_qkg_equals_tma_qk_and_ignores_later_sequences(monkeypatch, case):
-    """PHASE1 "tma_qkg" loads a bf16 gate by TMA too: a partial chunk's rows past its sequence are the next tokens
-    there. Its outputs are bitwise "tma_qk"'s, and NaN in every later sequence's g (which a zero factor would not
-    remove) leaves the first sequences' o and final states bitwise unchanged."""
-    from cula.kernels.sm90 import kda_fwd_check as chk
-    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
-
-    (spec,) = [c for c in chk.CASES if c[0] == case]
-    args, kw = chk._inputs(*spec, dev=torch.device("cuda"))
-    monkeypatch.setattr(intra_tc, "PHASE1", "tma_qk")
+    monkeypatch.setattr(intra_tc, "PHASE1", after)
     o, ht = kda_fwd.kda_fwd(*args, **kw)
-    monkeypatch.setattr(intra_tc, "PHASE1", "tma_qkg")
-    o1, ht1 = kda_fwd.kda_fwd(*args, **kw)
-    assert torch.equal(o, o1) and torch.equal(ht, ht1)
-    q, k, v, g, beta = args
-    assert g.dtype == torch.bfloat16
-    g_bad = g.clone()
-    g_bad[:, 15:] = float("nan")
-    o2, ht2 = kda_fwd.kda_fwd(q, k, v, g_bad, beta, **kw)
-    assert torch.isfinite(o[:, :15]).all() and torch.equal(o[:, :15], o2[:, :15])
-    assert torch.equal(ht[:2], ht2[:2])
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("case", ["tc-varlen-zero", "tc-softplus-varlen-zero"])
-def test_gpu_tma_g_first_equals_tma_qkg_and_ignores_later_sequences(monkeypatch, case):
-    """PHASE1 "tma_g_first" waits for q and k after the gate work: its outputs are bitwise "tma_qkg"'s (the same
-    values reach the same arithmetic), and Inf in every later sequence's q, k with NaN in its g leaves the first
-    sequences' o and final states bitwise unchanged."""
-    from cula.kernels.sm90 import kda_fwd_check as chk
-    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
-
-    (spec,) = [c for c in chk.CASES if c[0] == case]
-    args, kw = chk._inputs(*spec, dev=torch.device("cuda"))
-    monkeypatch.setattr(intra_tc, "PHASE1", "tma_qkg")
-    o, ht = kda_fwd.kda_fwd(*args, **kw)
-    monkeypatch.setattr(intra_tc, "PHASE1", "tma_g_first")
-    o1, ht1 = kda_fwd.kda_fwd(*args, **kw)
     assert torch.equal(o, o1) and torch.equal(ht, ht1)
     q, k, v, g, beta = args
     q_bad, k_bad, g_bad = q.clone(), k.clone(), g.clone()
-    q_bad[:, 15:] = float("inf")
-    k_bad[:, 15:] = float("inf")
-    g_bad[:, 15:] = float("nan")
+    if "qk" in poisoned:
+        q_bad[:, 15:] = float("inf")
+        k_bad[:, 15:] = float("inf")
+    if "g" in poisoned:
+        assert g.dtype == torch.bfloat16
+        g_bad[:, 15:] = float("nan")
     o2, ht2 = kda_fwd.kda_fwd(q_bad, k_bad, v, g_bad, beta, **kw)
     assert torch.isfinite(o[:, :15]).all() and torch.equal(o[:, :15], o2[:, :15])
     assert torch.equal(ht[:2], ht2[:2])

@@ -200,7 +200,8 @@ SCENARIOS = {
     "persistent_g_split": ("split", {"intra_tc.PERSISTENT": True, "intra_tc.PERSISTENT_G": True}),
     "persistent_g_clock": ("split", {"intra_tc.PERSISTENT": True, "intra_tc.PERSISTENT_G": True,
                                      "intra_tc.DIAG": ("clock",)}),
-    # device_round pf_tma: stage 1's L2 prefetch distance (CTAs ahead; 66 the default) now that q, k, g arrive by TMA
+    # device_round pf_tma: stage 1's L2 prefetch distance (CTAs ahead; 66 before session 28, none since where TMA
+    # brings q, k and g) now that they arrive by TMA
     **{f"pf{n}_split": ("split", {"intra_tc.PREFETCH_AHEAD": n}) for n in (0, 33, 132)},
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }

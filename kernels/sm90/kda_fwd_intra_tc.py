@@ -121,6 +121,7 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: on the n20 rows; with phase 1 "tma_g_first", −2.0%: kda_fwd_log.md): KdaFwdIntraTC.prefetch_for.
 #: ``CULA_KDA_TC_PREFETCH`` sets it for every build (A/B runs); unset (None), the rule above decides.
 PREFETCH_LOADS = 66
+PREFETCH_AHEAD = (lambda v: int(v) if v else None)(__import__("os").environ.get("CULA_KDA_TC_PREFETCH"))
 #: Persistent stage 1 (session 28, opt-in, CPU-built; session 24's loop, measured 15-23% slower then, before TMA,
 #: and removed in a8f2fb5): CTAS_PER_SM CTAs per SM (``persistent``: their number, from the host's SM count) walk
 #: the (chunk, head) items in launch order, CTA b taking items b, b + grid, ...; the loads' mbarriers are set up
@@ -133,7 +134,6 @@ PERSISTENT = __import__("os").environ.get("CULA_KDA_TC_PERSISTENT", "0") == "1"
 #: next item's g has landed before it starts; an item whose predecessor in the CTA did not (its first, or one after
 #: a dummy chunk) issues its own. Session 28, CPU-built: ``CULA_KDA_TC_PERSISTENT_G=1``.
 PERSISTENT_G = __import__("os").environ.get("CULA_KDA_TC_PERSISTENT_G", "0") == "1"
-PREFETCH_AHEAD = (lambda v: int(v) if v else None)(__import__("os").environ.get("CULA_KDA_TC_PREFETCH"))
 #: How phase 2 forms its reference factors per element (kda_fwd_log.md, sessions 20-21): "halves" (the default since
 #: session 21) 2^(Γ−C) and 2^(C−Γ) by exp2, 2^Γ never formed: the products that need it, q·2^Γ and k·2^Γ, are
 #: (q·2^(Γ−C))·2^(C/2)·2^(C/2) from the q·2^(Γ−C) already formed (136 MUFU per thread, no drift; the halves keep
@@ -287,17 +287,17 @@ class KdaFwdIntraTC:
         if phase1 not in PHASE1_MODES:
             raise ValueError(f"phase1 (CULA_KDA_TC_PHASE1): expected one of {PHASE1_MODES}, got {phase1!r}")
         self.lean = phase1 != "pre26"  # PHASE1
-        self.persistent = persistent  # PERSISTENT: the persistent grid's CTAs (CTAS_PER_SM per SM), 0 = one per item
-        if persistent and phase1 not in ("tma_qkg", "tma_g_first", "tma_qk"):
-            raise ValueError(f"persistent (CULA_KDA_TC_PERSISTENT): needs a TMA phase 1, got phase1 {phase1!r}")
-        # PERSISTENT_G: the next item's g copied during this one (into the v tile: t_out only)
-        if prefetch_g and not (persistent and t_out and phase1 == "tma_g_first"):
-            raise ValueError("prefetch_g (CULA_KDA_TC_PERSISTENT_G): needs persistent, t_out and phase1 "
-                             f"'tma_g_first', got persistent={persistent}, t_out={t_out}, phase1={phase1!r}")
-        self.prefetch_g = prefetch_g
         self.tma_qk = phase1 in ("tma_qkg", "tma_g_first", "tma_qk")  # q and k by TMA
         self.tma_g = phase1 in ("tma_qkg", "tma_g_first")  # g too; for a bf16 gate only (g_by_tma)
         self.g_first = phase1 == "tma_g_first"  # g on its own barrier, q and k waited for late (g_first_by_tma)
+        self.persistent = persistent  # PERSISTENT: the persistent grid's CTAs (CTAS_PER_SM per SM), 0 = one per item
+        if persistent and not self.tma_qk:
+            raise ValueError(f"persistent (CULA_KDA_TC_PERSISTENT): needs a TMA phase 1, got phase1 {phase1!r}")
+        # PERSISTENT_G: the next item's g copied during this one (into the v tile: t_out only)
+        if prefetch_g and not (persistent and t_out and self.g_first):
+            raise ValueError("prefetch_g (CULA_KDA_TC_PERSISTENT_G): needs persistent, t_out and phase1 "
+                             f"'tma_g_first', got persistent={persistent}, t_out={t_out}, phase1={phase1!r}")
+        self.prefetch_g = prefetch_g
         if factor_block not in FACTOR_BLOCKS:
             raise ValueError(f"factor_block (CULA_KDA_TC_FACTOR_BLOCK): expected one of {FACTOR_BLOCKS}, "
                              f"got {factor_block!r}")
@@ -403,8 +403,16 @@ class KdaFwdIntraTC:
                  smem=self.launch_smem(SharedStorage.size_in_bytes()), min_blocks_per_mp=CTAS_PER_SM)
 
     def g_by_tma(self, g_dtype) -> bool:
-        """phase1 "tma_qkg" brings a bf16 gate by TMA only: an fp32 one keeps the per-thread loads."""
+        """phase1 "tma_qkg" / "tma_g_first" bring a bf16 gate by TMA only: an fp32 one keeps the per-thread loads."""
         return self.tma_g and g_dtype.width == 16
+
+    @cute.jit
+    def init_load_barriers(self, mbar, mbar_qk, g_first: cutlass.Constexpr):
+        """The loads' mbarriers (one arrival a phase: lane 0's expect_tx), visible to the async proxy."""
+        cute.arch.mbarrier_init(mbar, 1)
+        if cutlass.const_expr(g_first):
+            cute.arch.mbarrier_init(mbar_qk, 1)
+        cute.arch.mbarrier_init_fence()
 
     @staticmethod
     def tma_rows(tma_x, t_x, s_x, tok0, head, one):
@@ -473,7 +481,7 @@ class KdaFwdIntraTC:
         tQ,
         tma_k,
         tK,
-        tma_g,  # phase1 tma_qkg, bf16 g: the g load's atom and tensor (None otherwise)
+        tma_g,  # g by TMA (g_by_tma): the g load's atom and tensor (None otherwise)
         tG,
         mma_diag: cute.TiledMma,
         mma_off1: cute.TiledMma,
@@ -497,6 +505,10 @@ class KdaFwdIntraTC:
     ):
         if cutlass.const_expr(self.pdl_trigger == "start"):
             cute.arch.griddepcontrol_launch_dependents()
+        body_args = (pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW, tma_u, tU, tma_aqk,
+                     tAqk, tma_q, tQ, tma_k, tK, tma_g, tG, mma_diag, mma_off1, mma_off2, mma_off3, mma_wu, a_layout,
+                     kt_layout, kb1_layout, kb2_layout, kb3_layout, x_layout, tb_layout, w_layout, aqk_layout, H, HV,
+                     NC, scale, lower_bound)
         # The sync-free varlen tables end in dummy chunks (nvalid = 0) that nobody reads: leave at once (skip).
         if cutlass.const_expr(self.persistent):
             # items in launch order (chunk fastest, then head), CTA b taking b, b + grid, ...; n_done counts the
@@ -509,12 +521,7 @@ class KdaFwdIntraTC:
                 chunk = item - hv * NC
                 chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
                 if chunks[chunk, 1] > 0:
-                    self.chunk_body(
-                        pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW,
-                        tma_u, tU, tma_aqk, tAqk, tma_q, tQ, tma_k, tK, tma_g, tG, mma_diag, mma_off1, mma_off2,
-                        mma_off3, mma_wu, a_layout, kt_layout, kb1_layout, kb2_layout, kb3_layout, x_layout,
-                        tb_layout, w_layout, aqk_layout, H, HV, NC, scale, lower_bound, chunk, hv, n_done,
-                    )
+                    self.chunk_body(*body_args, chunk, hv, n_done)
                     # thread 0 waited for the TMA stores' reads of shared memory at the item's end: no thread
                     # writes it (nor does a copy of the next item land) before that
                     cute.arch.sync_threads()
@@ -523,12 +530,7 @@ class KdaFwdIntraTC:
             chunk, _, _ = cute.arch.block_idx()
             chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
             if chunks[chunk, 1] > 0:  # (chunk_body reads the block index itself: the PTX as before)
-                self.chunk_body(
-                    pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW,
-                    tma_u, tU, tma_aqk, tAqk, tma_q, tQ, tma_k, tK, tma_g, tG, mma_diag, mma_off1, mma_off2,
-                    mma_off3, mma_wu, a_layout, kt_layout, kb1_layout, kb2_layout, kb3_layout, x_layout, tb_layout,
-                    w_layout, aqk_layout, H, HV, NC, scale, lower_bound, None, None, None,
-                )
+                self.chunk_body(*body_args, None, None, None)
         if cutlass.const_expr(self.pdl_trigger == "end"):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -681,7 +683,7 @@ class KdaFwdIntraTC:
         tQ,
         tma_k,
         tK,
-        tma_g,  # phase1 tma_qkg, bf16 g: the g load's atom and tensor (None otherwise)
+        tma_g,  # g by TMA (g_by_tma): the g load's atom and tensor (None otherwise)
         tG,
         mma_diag: cute.TiledMma,
         mma_off1: cute.TiledMma,
@@ -795,14 +797,14 @@ class KdaFwdIntraTC:
         raw_g = cute.make_rmem_tensor(rows8, pG.dtype)
         mbar = None
         mbar_qk = None
+        phase = 0 if cutlass.const_expr(n_done is None) else n_done % 2  # the loads' barriers' parity this item
         g_by_tma = self.g_by_tma(pG.dtype)
         g_first = self.g_first_by_tma(pG.dtype)
         pf_g = self.prefetch_g and g_first  # PERSISTENT_G: g lands in the v tile, copied during the item before
         g_raw = v_raw if cutlass.const_expr(pf_g) else x_raw
-        g_ready = cutlass.Int32(0)  # PERSISTENT_G: the CTA's previous item (it had rows) copied this item's g
-        items = cute.make_tensor(pChunks, cute.make_layout((NC, 2), stride=(2, 1)))  # every chunk's (tok0, nvalid)
-        n_ctas = cutlass.Int32(0)
         if cutlass.const_expr(pf_g):
+            g_ready = cutlass.Int32(0)  # the CTA's previous item (it had rows) copied this item's g
+            items = cute.make_tensor(pChunks, cute.make_layout((NC, 2), stride=(2, 1)))  # every chunk's (tok0, nvalid)
             n_ctas, _, _ = cute.arch.grid_dim()
             prev = hv * NC + chunk - n_ctas
             if prev >= 0:
@@ -820,16 +822,10 @@ class KdaFwdIntraTC:
             if warp == 0:  # a TMA copy is issued by a whole warp (it elects its one issuing lane)
                 if lane == 0:
                     if cutlass.const_expr(n_done is None):
-                        cute.arch.mbarrier_init(mbar, 1)
-                        if cutlass.const_expr(g_first):
-                            cute.arch.mbarrier_init(mbar_qk, 1)
-                        cute.arch.mbarrier_init_fence()
+                        self.init_load_barriers(mbar, mbar_qk, g_first)
                     else:  # PERSISTENT: once per CTA, before its first item's copies
                         if n_done == 0:
-                            cute.arch.mbarrier_init(mbar, 1)
-                            if cutlass.const_expr(g_first):
-                                cute.arch.mbarrier_init(mbar_qk, 1)
-                            cute.arch.mbarrier_init_fence()
+                            self.init_load_barriers(mbar, mbar_qk, g_first)
                 # ptxas issues the init on the warp's uniform datapath: racecheck then sees it and lane 0's
                 # arrive as two lanes' accesses (a warning, 16 a launch on tc-T1, session 28) unless the warp
                 # synchronises between them
@@ -894,7 +890,7 @@ class KdaFwdIntraTC:
             self.stamp(ts, "tma_wait", tidx)  # no TMA: the span is empty
         if cutlass.const_expr(self.tma_qk):
             cute.arch.sync_threads()  # the mbarrier's initialisation is visible to every thread
-            cute.arch.mbarrier_wait(mbar, 0 if cutlass.const_expr(n_done is None) else n_done % 2)
+            cute.arch.mbarrier_wait(mbar, phase)
             self.stamp(ts, "tma_wait", tidx)  # q, k (and g) have landed (g_first: g alone)
             zero8 = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
             zero8.fill(0.0)
@@ -1049,7 +1045,7 @@ class KdaFwdIntraTC:
                 hc[c] = cute.math.exp2(cref[c] * F32(0.5), fastmath=True)
                 hx[c] = -hc[c] if cutlass.const_expr(self.t_out) else hc[c]
         if cutlass.const_expr(g_first):  # q and k, waited for only now: their zeroed tail, row sums and norms
-            cute.arch.mbarrier_wait(mbar_qk, 0 if cutlass.const_expr(n_done is None) else n_done % 2)
+            cute.arch.mbarrier_wait(mbar_qk, phase)
             zero8q = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
             zero8q.fill(0.0)
             if nvalid < CHUNK:  # uniform: a sequence's last chunk only
