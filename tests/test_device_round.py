@@ -155,19 +155,3 @@ def test_g_first_sanity_first_then_checks_gpu_tests_splits_and_clock(tmp_path):
     assert old == [False, True] * 2
     assert len(clock) == 1 and "kda_fwd_clock" in clock[0]
 
-
-def test_persistent_sanity_first_then_checks_gpu_test_splits_and_clock(tmp_path):
-    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "persistent")
-    rest = new_kernel_head(cmds, "CULA_KDA_TC_PERSISTENT=1", False, "persistent_stage1")
-    splits, clock = rest[:4], rest[4:]
-    assert [("CULA_KDA_TC_PERSISTENT=1" in c) for c in splits] == [False, True] * 2
-    assert len(clock) == 1 and "kda_fwd_clock" in clock[0] and "CULA_KDA_TC_PERSISTENT=1" in clock[0]
-
-
-def test_persistent_g_splits_default_loop_and_next_g_twice(tmp_path):
-    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "persistent_g")
-    rest = new_kernel_head(cmds, "CULA_KDA_TC_PERSISTENT_G=1", False, "persistent_stage1")
-    splits, clock = rest[:6], rest[6:]
-    modes = [("PERSISTENT=1" in c) + ("PERSISTENT_G=1" in c) for c in splits]
-    assert modes == [0, 1, 2] * 2
-    assert len(clock) == 1 and "CULA_KDA_TC_PERSISTENT_G=1" in clock[0]

@@ -128,9 +128,7 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_t_out_block32_pre26", True),
                                                ("intra_tc_t_out_block32_lean", True),
                                                ("intra_tc_t_out_block32_tma_qk", True),
-                                               ("intra_tc_t_out_block32_tma_qkg", True),
-                                               ("intra_tc_t_out_block32_persistent", True),
-                                               ("intra_tc_t_out_block32_persistent_g", True)])
+                                               ("intra_tc_t_out_block32_tma_qkg", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -203,8 +201,7 @@ def test_ptx_compiles_clean(target, needs_wgmma):
         tma_g = tma_qk and not target.endswith("_tma_qk") and not fp32_g
         # TMA stores: aqk, w and u (two 64-column boxes); t_out: T' beside Aqk instead of u
         assert rep.count("cp.async.bulk.tensor") == ((4 if "t_out" in target else 3 if no_v_u else 5)
-                                                     + (4 if tma_qk else 0) + (2 if tma_g else 0)
-                                                     + (2 if target.endswith("persistent_g") else 0))
+                                                     + (4 if tma_qk else 0) + (2 if tma_g else 0))
         # 16-byte accesses: 8 rows x q, k, v, g per thread, less those that TMA brings
         loads = (24 if no_v_u else 32) - (16 if tma_qk else 0) - (8 if tma_g else 0)
         assert rep.count("ld.global.v4") >= loads and rep.count("st.shared.v4") >= 24
@@ -234,21 +231,6 @@ def test_ptx_compiles_clean(target, needs_wgmma):
             assert n_pf in (lines, lines // 2), n_pf
         else:
             assert n_pf == 0
-        if target.endswith("persistent_g"):
-            # the next item's g: one more copy site (two boxes, after phase 1's barrier, into the v tile) and one
-            # more arrive; the same two waits
-            base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_persistent")
-            assert rep.count("cp.async.bulk.tensor") == base.count("cp.async.bulk.tensor") + 2
-            assert rep.count("mbarrier.arrive.expect_tx") == base.count("mbarrier.arrive.expect_tx") + 1
-            assert rep.count("mbarrier.try_wait.parity") == base.count("mbarrier.try_wait.parity")
-        if target.endswith("persistent"):
-            # one CTA barrier more per item (shared memory reused only after thread 0's wait for the TMA
-            # stores' reads), the grid size read for the loop stride; the loads' barriers set up once per CTA
-            base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32")
-            assert rep.count("bar.sync") == base.count("bar.sync") + 1
-            assert "%nctaid.x" in rep.ptx and "%nctaid.x" not in base.ptx
-            assert rep.count("mbarrier.init") == base.count("mbarrier.init") == 2
-            assert rep.count("mbarrier.try_wait.parity") == base.count("mbarrier.try_wait.parity")
         if target.endswith("emit_akk"):
             # bf16(T) for FLA's backward: 4 more 16-byte global stores per thread (2 threads per row, 32
             # columns each), the rest as the default
@@ -801,74 +783,6 @@ def test_gpu_tma_phase1_equals_the_one_before_and_ignores_later_sequences(monkey
     o2, ht2 = kda_fwd.kda_fwd(q_bad, k_bad, v, g_bad, beta, **kw)
     assert torch.isfinite(o[:, :15]).all() and torch.equal(o[:, :15], o2[:, :15])
     assert torch.equal(ht[:2], ht2[:2])
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("prefetch_g", [False, True], ids=["loop", "next-g"])
-@pytest.mark.parametrize("name", ["big-fixed", "big-varlen", "tc-varlen-zero", "tc-T65-gva-vfirst"])
-def test_gpu_persistent_stage1_equals_the_default(name, prefetch_g, monkeypatch):
-    """``PERSISTENT`` runs the same chunk body on the same values, each CTA walking several items (B1 T8192 H16:
-    2,048 items on 264 CTAs; varlen n20 T8192 H16 with its dummy chunks; two small cases with fewer items than
-    CTAs), the loads' mbarriers flipping parity per processed item; ``prefetch_g``: each item copies its CTA's
-    next item's g (PERSISTENT_G; the varlen case's dummy chunks break the chain): o and the final state bitwise
-    the default's, twice, and inside a CUDA graph."""
-    from cula.kernels.sm90 import kda_fwd_check as chk
-    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
-
-    dev = torch.device("cuda")
-    if name.startswith("big"):
-        from cula.suites.lengths import cu_seqlens_from_lengths, varlen_lengths
-
-        cu = None if name == "big-fixed" else cu_seqlens_from_lengths(varlen_lengths("random", 20, 8192))
-        case = (name, 1, 8192, 16, 16, cu, dict(chk._TC, lower_bound=-5.0))
-    else:
-        case = next(c for c in chk.CASES if c[0] == name)
-    args, kw = chk._inputs(*case, dev=dev)
-    monkeypatch.setattr(intra_tc, "PERSISTENT", False)
-    o_ref, ht_ref = kda_fwd.kda_fwd(*args, **kw)
-    monkeypatch.setattr(intra_tc, "PERSISTENT", True)
-    monkeypatch.setattr(intra_tc, "PERSISTENT_G", prefetch_g)
-    for _ in range(2):
-        o, ht = kda_fwd.kda_fwd(*args, **kw)
-        torch.cuda.synchronize()
-        assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o_g, ht_g = kda_fwd.kda_fwd(*args, **kw)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(o_g, o_ref) and torch.equal(ht_g, ht_ref)
-
-
-def test_host_path_persistent_stage1(monkeypatch):
-    """With PERSISTENT the stage-1 launch key carries ``persistent``, the grid's CTAs from the SM count (132 here:
-    264, two per SM); without it the key is as before. A per-thread-load phase 1 is refused by name."""
-    pytest.importorskip("cutlass")
-    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
-
-    calls = record_kda_launches(monkeypatch)
-    args, kw = _case(1, 130, 2, 2, None, seed=4, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                     use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, safe_gate=True)
-    args = tuple(x.bfloat16() for x in args)
-    monkeypatch.setattr(intra_tc, "PERSISTENT", True)
-    kda_fwd.kda_fwd(*args, **kw)
-    monkeypatch.setattr(intra_tc, "PERSISTENT", False)
-    kda_fwd.kda_fwd(*args, **kw)
-    keys = [dict(key[0]) for kind, key, _, _ in calls if kind == "intra_tc"]
-    assert keys[0].get("persistent") == 264 and "persistent" not in keys[1]
-    assert {k: v for k, v in keys[0].items() if k != "persistent"} == keys[1]
-    monkeypatch.setattr(intra_tc, "PERSISTENT", True)
-    monkeypatch.setattr(intra_tc, "PERSISTENT_G", True)
-    kda_fwd.kda_fwd(*args, **kw)
-    keys = [dict(key[0]) for kind, key, _, _ in calls if kind == "intra_tc"]
-    assert keys[-1].get("prefetch_g") is True and keys[-1].get("persistent") == 264
-    with pytest.raises(ValueError, match="CULA_KDA_TC_PERSISTENT_G"):
-        intra_tc.KdaFwdIntraTC(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
-                               allow_neg_eigval=False, group=1, t_out=True, prefetch_g=True)
-    with pytest.raises(ValueError, match="CULA_KDA_TC_PERSISTENT"):
-        intra_tc.KdaFwdIntraTC(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
-                               allow_neg_eigval=False, group=1, phase1="lean", persistent=264)
 
 
 RECUR_CASES = ["T1", "T15-l2-gate", "T65-gva-vfirst", "T1000-all", "varlen-zero", "varlen-33"]

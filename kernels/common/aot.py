@@ -191,17 +191,7 @@ SCENARIOS = {
     # on) in the GPU test's calls (its prefetch off there, as the rule sets it) and the splits, against the default
     "tma_qkg_checks": ("tc", {"intra_tc.PHASE1": "tma_qkg"}),
     "tma_qkg_pf66_split": ("split", {"intra_tc.PHASE1": "tma_qkg", "intra_tc.PREFETCH_AHEAD": 66}),
-    # device_round persistent: the persistent stage 1 in the check cases, the GPU test's and the split rows
-    "persistent_checks": ("tc", {"intra_tc.PERSISTENT": True}),
-    "persistent_split": ("split", {"intra_tc.PERSISTENT": True}),
-    "persistent_clock": ("split", {"intra_tc.PERSISTENT": True, "intra_tc.DIAG": ("clock",)}),
-    # ... with each item copying its CTA's next item's g (PERSISTENT_G)
-    "persistent_g_checks": ("tc", {"intra_tc.PERSISTENT": True, "intra_tc.PERSISTENT_G": True}),
-    "persistent_g_split": ("split", {"intra_tc.PERSISTENT": True, "intra_tc.PERSISTENT_G": True}),
-    "persistent_g_clock": ("split", {"intra_tc.PERSISTENT": True, "intra_tc.PERSISTENT_G": True,
-                                     "intra_tc.DIAG": ("clock",)}),
-    # device_round pf_tma: stage 1's L2 prefetch distance (CTAs ahead; 66 before session 28, none since where TMA
-    # brings q, k and g) now that they arrive by TMA
+    # device_round pf_tma: stage 1's L2 prefetch distance (CTAs ahead; 66 the default) now that q, k, g arrive by TMA
     **{f"pf{n}_split": ("split", {"intra_tc.PREFETCH_AHEAD": n}) for n in (0, 33, 132)},
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }

@@ -71,8 +71,6 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         pre26) envs="CULA_KDA_TC_PHASE1=pre26" ;;
         lean) envs="CULA_KDA_TC_PHASE1=lean" ;;
         tma_qk) envs="CULA_KDA_TC_PHASE1=tma_qk" ;;
-        persistent) envs="CULA_KDA_TC_PERSISTENT=1" ;;
-        persistent_g) envs="CULA_KDA_TC_PERSISTENT=1 CULA_KDA_TC_PERSISTENT_G=1" ;;
         tma_qkg_pf66) envs="CULA_KDA_TC_PHASE1=tma_qkg CULA_KDA_TC_PREFETCH=66" ;;
         pf0 | pf33 | pf132) envs="CULA_KDA_TC_PREFETCH=${m#pf}" ;;
         esac
@@ -334,33 +332,6 @@ for s in $steps; do
             -k "g_first or tma_qk"
         mode_splits g_first_split default tma_qkg_pf66 default tma_qkg_pf66
         step g_first_clock 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384 ;;
-    persistent)  # session 28 (CPU-built): session 24's persistent stage 1 again, on the TMA default (the bare item
-        # loop, the loads' barriers set up once, their parity by processed items): one case first (a hang costs
-        # 45 s), the checks, the GPU test (bitwise the default on two large cases, several items per CTA, and two
-        # small ones, eager and in a CUDA graph), default / persistent splits twice, and its clock (<= 300 s; AOT
-        # persistent_checks, persistent_split, persistent_clock)
-        step persistent_sanity 45 env CULA_KDA_TC_PERSISTENT=1 python3 -u -m cula.kernels.sm90.kda_fwd --check \
-            --no-bench --cases tc-T1 || continue
-        step persistent_check 220 env CULA_KDA_TC_PERSISTENT=1 python3 -u -m cula.kernels.sm90.kda_fwd --check \
-            --no-bench --cases $phase1_cases
-        step persistent_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
-            -k persistent_stage1
-        mode_splits persistent_split default persistent default persistent
-        step persistent_clock 80 env CULA_KDA_TC_PERSISTENT=1 python3 -u -m cula.kernels.sm90.kda_fwd_clock \
-            --B 2 --T 16384 ;;
-    persistent_g)  # session 28 (CPU-built): the persistent stage 1 with each item copying its CTA's next item's g
-        # into the v tile after its phase 1 (CULA_KDA_TC_PERSISTENT_G): one case first, the checks, the GPU test
-        # (bitwise the default, several items per CTA, dummy chunks), default / persistent / persistent_g splits
-        # twice, and its clock (<= 330 s; AOT persistent_g_checks, persistent_split, persistent_g_split, _clock)
-        step persistent_g_sanity 45 env CULA_KDA_TC_PERSISTENT=1 CULA_KDA_TC_PERSISTENT_G=1 python3 -u -m \
-            cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-T1 || continue
-        step persistent_g_check 220 env CULA_KDA_TC_PERSISTENT=1 CULA_KDA_TC_PERSISTENT_G=1 python3 -u -m \
-            cula.kernels.sm90.kda_fwd --check --no-bench --cases $phase1_cases
-        step persistent_g_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
-            tests/test_kernel_kda_fwd.py -k persistent_stage1
-        mode_splits persistent_g_split default persistent persistent_g default persistent persistent_g
-        step persistent_g_clock 80 env CULA_KDA_TC_PERSISTENT=1 CULA_KDA_TC_PERSISTENT_G=1 python3 -u -m \
-            cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384 ;;
     one_cta)  # session 23: stage 1 at one CTA per SM against two (the fused kernel's premise: kda_fwd.md, "Where
         # the time goes and what is next"), twice in turn (<= 120 s; AOT scenario diag_one_cta)
         mode_splits one_cta_split default one_cta default one_cta ;;

@@ -643,10 +643,6 @@ def kda_fwd(
         block = factor_block(lb, softplus_tc, log_tc)
         if intra_tc.PHASE1 != intra_tc.PHASE1_MODES[0]:
             tc_flags.update(phase1=intra_tc.PHASE1)
-        if intra_tc.PERSISTENT:  # only set, so the keys of the other calls stay as before
-            tc_flags.update(persistent=intra_tc.CTAS_PER_SM * sm_count(dev))
-            if intra_tc.PERSISTENT_G and u_split and intra_tc.PHASE1 == "tma_g_first":
-                tc_flags.update(prefetch_g=True)
         if block != intra_tc.FACTOR_BLOCKS[0]:
             tc_flags.update(factor_block=block)
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before

@@ -122,18 +122,6 @@ INV_WGMMA = __import__("os").environ.get("CULA_KDA_TC_INV_WGMMA", "1") == "1"
 #: ``CULA_KDA_TC_PREFETCH`` sets it for every build (A/B runs); unset (None), the rule above decides.
 PREFETCH_LOADS = 66
 PREFETCH_AHEAD = (lambda v: int(v) if v else None)(__import__("os").environ.get("CULA_KDA_TC_PREFETCH"))
-#: Persistent stage 1 (session 28, opt-in, CPU-built; session 24's loop, measured 15-23% slower then, before TMA,
-#: and removed in a8f2fb5): CTAS_PER_SM CTAs per SM (``persistent``: their number, from the host's SM count) walk
-#: the (chunk, head) items in launch order, CTA b taking items b, b + grid, ...; the loads' mbarriers are set up
-#: once and waited with the parity of the CTA's count of processed items. The bare loop first: whether it still
-#: costs time with TMA loads, before a chunk's copies are issued during the previous item (kda_fwd.md, "Next for
-#: stage 1"). ``CULA_KDA_TC_PERSISTENT=1``.
-PERSISTENT = __import__("os").environ.get("CULA_KDA_TC_PERSISTENT", "0") == "1"
-#: With PERSISTENT (and "tma_g_first", t_out, a bf16 gate): each item issues the gate copy of the CTA's next item
-#: (item + grid, where it has rows) right after its own phase 1, into the v tile (never used with t_out), so the
-#: next item's g has landed before it starts; an item whose predecessor in the CTA did not (its first, or one after
-#: a dummy chunk) issues its own. Session 28, CPU-built: ``CULA_KDA_TC_PERSISTENT_G=1``.
-PERSISTENT_G = __import__("os").environ.get("CULA_KDA_TC_PERSISTENT_G", "0") == "1"
 #: How phase 2 forms its reference factors per element (kda_fwd_log.md, sessions 20-21): "halves" (the default since
 #: session 21) 2^(Γ−C) and 2^(C−Γ) by exp2, 2^Γ never formed: the products that need it, q·2^Γ and k·2^Γ, are
 #: (q·2^(Γ−C))·2^(C/2)·2^(C/2) from the q·2^(Γ−C) already formed (136 MUFU per thread, no drift; the halves keep
@@ -248,8 +236,6 @@ class KdaFwdIntraTC:
         subst: str = SUBST_MODES[0],
         factor_block: int = FACTOR_BLOCKS[0],
         phase1: str = PHASE1_MODES[0],
-        persistent: int = 0,
-        prefetch_g: bool = False,
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -290,14 +276,6 @@ class KdaFwdIntraTC:
         self.tma_qk = phase1 in ("tma_qkg", "tma_g_first", "tma_qk")  # q and k by TMA
         self.tma_g = phase1 in ("tma_qkg", "tma_g_first")  # g too; for a bf16 gate only (g_by_tma)
         self.g_first = phase1 == "tma_g_first"  # g on its own barrier, q and k waited for late (g_first_by_tma)
-        self.persistent = persistent  # PERSISTENT: the persistent grid's CTAs (CTAS_PER_SM per SM), 0 = one per item
-        if persistent and not self.tma_qk:
-            raise ValueError(f"persistent (CULA_KDA_TC_PERSISTENT): needs a TMA phase 1, got phase1 {phase1!r}")
-        # PERSISTENT_G: the next item's g copied during this one (into the v tile: t_out only)
-        if prefetch_g and not (persistent and t_out and self.g_first):
-            raise ValueError("prefetch_g (CULA_KDA_TC_PERSISTENT_G): needs persistent, t_out and phase1 "
-                             f"'tma_g_first', got persistent={persistent}, t_out={t_out}, phase1={phase1!r}")
-        self.prefetch_g = prefetch_g
         if factor_block not in FACTOR_BLOCKS:
             raise ValueError(f"factor_block (CULA_KDA_TC_FACTOR_BLOCK): expected one of {FACTOR_BLOCKS}, "
                              f"got {factor_block!r}")
@@ -399,26 +377,12 @@ class KdaFwdIntraTC:
             self.a_layout, self.kt_layout, kb_layouts[0], kb_layouts[1], kb_layouts[2], self.x_layout,
             self.tb_layout, self.w_layout, self.aqk_layout,
             num_heads, HV, NC, scale, lower_bound,
-        ).launch(grid=self.grid(NC, HV), block=[THREADS, 1, 1], stream=stream,
+        ).launch(grid=[NC, HV, 1], block=[THREADS, 1, 1], stream=stream,
                  smem=self.launch_smem(SharedStorage.size_in_bytes()), min_blocks_per_mp=CTAS_PER_SM)
 
     def g_by_tma(self, g_dtype) -> bool:
-        """phase1 "tma_qkg" / "tma_g_first" bring a bf16 gate by TMA only: an fp32 one keeps the per-thread loads."""
+        """phase1 "tma_qkg" brings a bf16 gate by TMA only: an fp32 one keeps the per-thread loads."""
         return self.tma_g and g_dtype.width == 16
-
-    @cute.jit
-    def init_load_barriers(self, mbar, mbar_qk, g_first: cutlass.Constexpr):
-        """The loads' mbarriers (one arrival a phase: lane 0's expect_tx), visible to the async proxy."""
-        cute.arch.mbarrier_init(mbar, 1)
-        if cutlass.const_expr(g_first):
-            cute.arch.mbarrier_init(mbar_qk, 1)
-        cute.arch.mbarrier_init_fence()
-
-    @staticmethod
-    def tma_rows(tma_x, t_x, s_x, tok0, head, one):
-        """The (smem, gmem) partitions of one TMA box: ``head``'s 64 rows from token ``tok0`` into tile ``s_x``."""
-        g_x = cute.local_tile(cute.domain_offset((tok0, 0), t_x[None, None, head]), (CHUNK, DK), (None, 0))
-        return cpasync.tma_partition(tma_x, 0, one, cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2))
 
     def prefetch_for(self, g_dtype) -> int:
         """CTAs ahead for the per-thread L2 prefetch: ``prefetch_ahead`` where given, else none where TMA brings
@@ -430,12 +394,6 @@ class KdaFwdIntraTC:
     def g_first_by_tma(self, g_dtype) -> bool:
         """phase1 "tma_g_first" splits the loads' barrier for a bf16 gate only (the one g_by_tma brings)."""
         return self.g_first and self.g_by_tma(g_dtype)
-
-    def grid(self, NC, HV) -> list:
-        """One CTA per (chunk, value head), or the persistent grid's CTAs (PERSISTENT), at most one per item."""
-        if cutlass.const_expr(self.persistent):
-            return [cutlass.min(NC * HV, self.persistent), 1, 1]
-        return [NC, HV, 1]
 
     def launch_smem(self, storage_bytes: int) -> int:
         """Dynamic shared memory the launch asks for: the storage, or ONE_CTA_SMEM under the ``one_cta`` diagnostic."""
@@ -481,7 +439,7 @@ class KdaFwdIntraTC:
         tQ,
         tma_k,
         tK,
-        tma_g,  # g by TMA (g_by_tma): the g load's atom and tensor (None otherwise)
+        tma_g,  # phase1 tma_qkg, bf16 g: the g load's atom and tensor (None otherwise)
         tG,
         mma_diag: cute.TiledMma,
         mma_off1: cute.TiledMma,
@@ -505,32 +463,17 @@ class KdaFwdIntraTC:
     ):
         if cutlass.const_expr(self.pdl_trigger == "start"):
             cute.arch.griddepcontrol_launch_dependents()
-        body_args = (pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW, tma_u, tU, tma_aqk,
-                     tAqk, tma_q, tQ, tma_k, tK, tma_g, tG, mma_diag, mma_off1, mma_off2, mma_off3, mma_wu, a_layout,
-                     kt_layout, kb1_layout, kb2_layout, kb3_layout, x_layout, tb_layout, w_layout, aqk_layout, H, HV,
-                     NC, scale, lower_bound)
-        # The sync-free varlen tables end in dummy chunks (nvalid = 0) that nobody reads: leave at once (skip).
-        if cutlass.const_expr(self.persistent):
-            # items in launch order (chunk fastest, then head), CTA b taking b, b + grid, ...; n_done counts the
-            # items this CTA processed: the loads' mbarriers flip parity once per processed item
-            bid, _, _ = cute.arch.block_idx()
-            n_ctas, _, _ = cute.arch.grid_dim()
-            n_done = cutlass.Int32(0)
-            for item in cutlass.range(bid, NC * HV, n_ctas, unroll=1):
-                hv = item // NC
-                chunk = item - hv * NC
-                chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
-                if chunks[chunk, 1] > 0:
-                    self.chunk_body(*body_args, chunk, hv, n_done)
-                    # thread 0 waited for the TMA stores' reads of shared memory at the item's end: no thread
-                    # writes it (nor does a copy of the next item land) before that
-                    cute.arch.sync_threads()
-                    n_done = n_done + 1
-        else:
-            chunk, _, _ = cute.arch.block_idx()
-            chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
-            if chunks[chunk, 1] > 0:  # (chunk_body reads the block index itself: the PTX as before)
-                self.chunk_body(*body_args, None, None, None)
+        # The sync-free varlen tables end in dummy chunks (nvalid = 0) that nobody reads: leave at once.
+        chunk, _, _ = cute.arch.block_idx()
+        chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
+        if chunks[chunk, 1] > 0:
+            self.chunk_body(
+                pQ, pK, pV, pG, pBeta, pALog, pDtBias, pChunks, pQG, pKGT, pGam, tma_w, tW,
+                tma_u, tU, tma_aqk, tAqk, tma_q, tQ, tma_k, tK, tma_g, tG, mma_diag, mma_off1, mma_off2, mma_off3,
+                mma_wu,
+                a_layout, kt_layout, kb1_layout, kb2_layout, kb3_layout, x_layout, tb_layout, w_layout, aqk_layout, H,
+                HV, NC, scale, lower_bound,
+            )
         if cutlass.const_expr(self.pdl_trigger == "end"):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -683,7 +626,7 @@ class KdaFwdIntraTC:
         tQ,
         tma_k,
         tK,
-        tma_g,  # g by TMA (g_by_tma): the g load's atom and tensor (None otherwise)
+        tma_g,  # phase1 tma_qkg, bf16 g: the g load's atom and tensor (None otherwise)
         tG,
         mma_diag: cute.TiledMma,
         mma_off1: cute.TiledMma,
@@ -704,20 +647,14 @@ class KdaFwdIntraTC:
         NC: cutlass.Int32,
         scale: cutlass.Float32,
         lower_bound: cutlass.Float32,
-        chunk,
-        hv,
-        n_done,
     ):
-        """One (chunk, value head): the block's own where ``chunk`` and ``hv`` are None; under PERSISTENT the
-        item's, ``n_done`` the items this CTA processed before it (the parity of the loads' mbarriers)."""
         tidx, _, _ = cute.arch.thread_idx()
         ts = None  # the clock diagnostic's stamps (thread 0's registers)
         if cutlass.const_expr(self.clock):
             ts = cute.make_rmem_tensor(cute.make_layout(CLOCK_SLOTS), cutlass.Int64)
             ts.fill(0)
         self.stamp(ts, "entry", tidx)
-        if cutlass.const_expr(chunk is None):
-            chunk, hv, _ = cute.arch.block_idx()
+        chunk, hv, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
         grp = tidx // 16  # row group: rows rpt grp .. + rpt - 1 (block grp // 2 = warp)
@@ -797,64 +734,44 @@ class KdaFwdIntraTC:
         raw_g = cute.make_rmem_tensor(rows8, pG.dtype)
         mbar = None
         mbar_qk = None
-        phase = 0 if cutlass.const_expr(n_done is None) else n_done % 2  # the loads' barriers' parity this item
         g_by_tma = self.g_by_tma(pG.dtype)
         g_first = self.g_first_by_tma(pG.dtype)
-        pf_g = self.prefetch_g and g_first  # PERSISTENT_G: g lands in the v tile, copied during the item before
-        g_raw = v_raw if cutlass.const_expr(pf_g) else x_raw
-        if cutlass.const_expr(pf_g):
-            g_ready = cutlass.Int32(0)  # the CTA's previous item (it had rows) copied this item's g
-            items = cute.make_tensor(pChunks, cute.make_layout((NC, 2), stride=(2, 1)))  # every chunk's (tok0, nvalid)
-            n_ctas, _, _ = cute.arch.grid_dim()
-            prev = hv * NC + chunk - n_ctas
-            if prev >= 0:
-                if items[prev - (prev // NC) * NC, 1] > 0:
-                    g_ready = cutlass.Int32(1)
         if cutlass.const_expr(self.tma_qk):  # q and k straight into the Qa / Ka tiles, issued first
             mbar = st.sMbar.data_ptr()
             mbar_qk = mbar + 1 if cutlass.const_expr(g_first) else mbar  # g_first: g on mbar, q and k on this
             s_g = sX  # tma_qkg: the X tile, read as a K-major tile (dead until phase 2 writes X)
             if cutlass.const_expr(g_by_tma):
                 s_g = st.sX.get_tensor(a_layout.outer, swizzle=a_layout.inner)
-            if cutlass.const_expr(pf_g):
-                s_g = st.sV.get_tensor(a_layout.outer, swizzle=a_layout.inner)
-            one = cute.make_layout(1)
             if warp == 0:  # a TMA copy is issued by a whole warp (it elects its one issuing lane)
                 if lane == 0:
-                    if cutlass.const_expr(n_done is None):
-                        self.init_load_barriers(mbar, mbar_qk, g_first)
-                    else:  # PERSISTENT: once per CTA, before its first item's copies
-                        if n_done == 0:
-                            self.init_load_barriers(mbar, mbar_qk, g_first)
+                    cute.arch.mbarrier_init(mbar, 1)
+                    if cutlass.const_expr(g_first):
+                        cute.arch.mbarrier_init(mbar_qk, 1)
+                    cute.arch.mbarrier_init_fence()
                 # ptxas issues the init on the warp's uniform datapath: racecheck then sees it and lane 0's
                 # arrive as two lanes' accesses (a warning, 16 a launch on tc-T1, session 28) unless the warp
                 # synchronises between them
                 cute.arch.sync_warp()
                 if lane == 0:
                     tile_bytes = CHUNK * DK * BF16.width // 8
-                    if cutlass.const_expr(pf_g):
-                        if g_ready == 0:
-                            cute.arch.mbarrier_arrive_and_expect_tx(mbar, tile_bytes)
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar_qk, 2 * tile_bytes)
-                    elif cutlass.const_expr(g_first):
+                    if cutlass.const_expr(g_first):
                         cute.arch.mbarrier_arrive_and_expect_tx(mbar, tile_bytes)
                         cute.arch.mbarrier_arrive_and_expect_tx(mbar_qk, 2 * tile_bytes)
                     else:
                         n_tiles = 3 if cutlass.const_expr(g_by_tma) else 2
                         cute.arch.mbarrier_arrive_and_expect_tx(mbar, n_tiles * tile_bytes)
                 cute.arch.sync_warp()
+                one = cute.make_layout(1)
                 loads = [(tma_q, tQ, sQa, hq, mbar_qk), (tma_k, tK, sKa, hq, mbar_qk)]
-                if cutlass.const_expr(pf_g):  # g only where the item before did not copy it
-                    loads = [loads[1], loads[0]]
-                    ts_g, tg_g = self.tma_rows(tma_g, tG, s_g, tok0, hv, one)
-                    if g_ready == 0:
-                        cute.copy(tma_g, tg_g[None, 0], ts_g[None, 0], tma_bar_ptr=mbar)
-                elif cutlass.const_expr(g_first):  # g first, then k, then q: the order phase 1 needs them in
+                if cutlass.const_expr(g_first):  # g first, then k, then q: the order phase 1 needs them in
                     loads = [(tma_g, tG, s_g, hv, mbar), loads[1], loads[0]]
                 elif cutlass.const_expr(g_by_tma):
                     loads.append((tma_g, tG, s_g, hv, mbar))
                 for tma_x, t_x, s_x, head, bar in loads:
-                    ts_x, tg_x = self.tma_rows(tma_x, t_x, s_x, tok0, head, one)
+                    g_x = cute.local_tile(cute.domain_offset((tok0, 0), t_x[None, None, head]), (CHUNK, DK),
+                                          (None, 0))
+                    ts_x, tg_x = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(s_x, 0, 2),
+                                                       cute.group_modes(g_x, 0, 2))
                     cute.copy(tma_x, tg_x[None, 0], ts_x[None, 0], tma_bar_ptr=bar)
         for rr in cutlass.range_constexpr(rpt):
             tok = tok0 + cutlass.min(r0 + rr, nvalid - 1)
@@ -890,7 +807,7 @@ class KdaFwdIntraTC:
             self.stamp(ts, "tma_wait", tidx)  # no TMA: the span is empty
         if cutlass.const_expr(self.tma_qk):
             cute.arch.sync_threads()  # the mbarrier's initialisation is visible to every thread
-            cute.arch.mbarrier_wait(mbar, phase)
+            cute.arch.mbarrier_wait(mbar, 0)
             self.stamp(ts, "tma_wait", tidx)  # q, k (and g) have landed (g_first: g alone)
             zero8 = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
             zero8.fill(0.0)
@@ -901,13 +818,13 @@ class KdaFwdIntraTC:
                             _st8(a_layout, qa_raw, (r0 + rr, d0, 0), zero8)
                             _st8(a_layout, ka_raw, (r0 + rr, d0, 0), zero8)
                         if cutlass.const_expr(g_by_tma):
-                            _st8(a_layout, g_raw, (r0 + rr, d0, 0), zero8)
+                            _st8(a_layout, x_raw, (r0 + rr, d0, 0), zero8)
             for rr in cutlass.range_constexpr(rpt):
                 if cutlass.const_expr(not g_first):
                     _ld8(a_layout, qa_raw, (r0 + rr, d0, 0), raw_q[rr, None])
                     _ld8(a_layout, ka_raw, (r0 + rr, d0, 0), raw_k[rr, None])
                 if cutlass.const_expr(g_by_tma):
-                    _ld8(a_layout, g_raw, (r0 + rr, d0, 0), raw_g[rr, None])
+                    _ld8(a_layout, x_raw, (r0 + rr, d0, 0), raw_g[rr, None])
         for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
             keep = F32(1.0)
@@ -977,18 +894,6 @@ class KdaFwdIntraTC:
                     sFirst[grp // GROUPS_PER_BLOCK, d0 + c] = gl[0, c]
         cute.arch.sync_threads()
         self.stamp(ts, "phase1", tidx)
-        if cutlass.const_expr(pf_g):  # every thread has read its g rows: the CTA's next item's g into the v tile
-            nxt = hv * NC + chunk + n_ctas
-            if warp == 0:
-                if nxt < NC * HV:
-                    hv_n = nxt // NC
-                    c_n = nxt - hv_n * NC
-                    if items[c_n, 1] > 0:  # it has rows, so this CTA processes it next
-                        if lane == 0:
-                            cute.arch.mbarrier_arrive_and_expect_tx(mbar, CHUNK * DK * BF16.width // 8)
-                        cute.arch.sync_warp()
-                        ts_n, tg_n = self.tma_rows(tma_g, tG, s_g, items[c_n, 0], hv_n, one)
-                        cute.copy(tma_g, tg_n[None, 0], ts_n[None, 0], tma_bar_ptr=mbar)
 
         # ============================================ phase 2: reference factors and operand tiles
         fbk = self.factor_block
@@ -1045,7 +950,7 @@ class KdaFwdIntraTC:
                 hc[c] = cute.math.exp2(cref[c] * F32(0.5), fastmath=True)
                 hx[c] = -hc[c] if cutlass.const_expr(self.t_out) else hc[c]
         if cutlass.const_expr(g_first):  # q and k, waited for only now: their zeroed tail, row sums and norms
-            cute.arch.mbarrier_wait(mbar_qk, phase)
+            cute.arch.mbarrier_wait(mbar_qk, 0)
             zero8q = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
             zero8q.fill(0.0)
             if nvalid < CHUNK:  # uniform: a sequence's last chunk only
@@ -1726,11 +1631,6 @@ def compile_targets():
         # session 28's first phase 1 (q, k, g by TMA on one barrier; PHASE1 "tma_qkg"); session 27's (q, k by TMA)
         "t_out_block32_tma_qkg": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_qkg"),
         "t_out_block32_tma_qk": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_qk"),
-        # the persistent stage 1 (PERSISTENT; 264 CTAs: two per SM of an H100 / H200)
-        "t_out_block32_persistent": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, persistent=264),
-        # ... with each item copying its CTA's next item's g (PERSISTENT_G)
-        "t_out_block32_persistent_g": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, persistent=264,
-                                            prefetch_g=True),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
