@@ -146,6 +146,13 @@ def test_pf_tma_splits_each_prefetch_distance_between_two_defaults(tmp_path):
     assert pf == [None, "0", "33", "132", None]
 
 
+def test_pack_premise_splits_the_byte_diagnostics_against_the_default_twice(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "pack_premise")
+    assert len(cmds) == 4 and all("--split worst" in c for c in cmds)
+    both = [("CULA_KDA_TC_DIAG=no_tp_store" in c) + ("CULA_KDA_RECUR_DIAG=half_at" in c) for c in cmds]
+    assert both == [0, 2] * 2
+
+
 def test_g_first_sanity_first_then_checks_gpu_tests_splits_and_clock(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "g_first")
     rest = new_kernel_head(cmds, "CULA_KDA_TC_PHASE1", True, "g_first")  # tma_g_first is the default

@@ -962,6 +962,30 @@ def test_host_path_u_in_recur(monkeypatch, cu):
     assert [c[0] for c in calls] == ["intra", "recur"] and "t_in" not in dict(calls[1][1][0])
 
 
+def test_host_path_recur_diag_half_at(monkeypatch):
+    """CULA_KDA_RECUR_DIAG (timing only) reaches stage 2's launch key as ``diag`` with a warning that o is wrong;
+    without it the key is as before. ``half_at`` needs the [Aqk | T'] rows (t_in); unknown names are refused."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.sm90 import kda_fwd_recur as recur
+
+    calls = record_kda_launches(monkeypatch)
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    args, kw = _case(1, 130, 2, 2, None, seed=4, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                     use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, safe_gate=True)
+    args = tuple(x.bfloat16() for x in args)
+    kda_fwd.kda_fwd(*args, **kw)
+    monkeypatch.setattr(recur, "RECUR_DIAG", ("half_at",))
+    with pytest.warns(UserWarning, match="CULA_KDA_RECUR_DIAG=half_at"):
+        kda_fwd.kda_fwd(*args, **kw)
+    keys = [dict(key[0]) for kind, key, _, _ in calls if kind == "recur"]
+    assert "diag" not in keys[0] and keys[1]["diag"] == ("half_at",)
+    assert {k: v for k, v in keys[1].items() if k != "diag"} == keys[0]
+    with pytest.raises(ValueError, match="needs t_in"):
+        recur.KdaFwdRecur(True, True, False, variant="v2", diag=("half_at",))
+    with pytest.raises(ValueError, match="CULA_KDA_RECUR_DIAG"):
+        recur.KdaFwdRecur(True, True, False, variant="v2", t_in=True, diag=("nope",))
+
+
 def test_item_order_covers_every_item():
     """Stage 2's persistent CTAs walk the (V tile, head, sequence) items V tile fastest, then head, then sequence
     (a head's two V halves side by side, sharing their scratch tiles in L2); every item once, and the state tile

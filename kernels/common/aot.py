@@ -192,6 +192,9 @@ SCENARIOS = {
     "tma_qkg_checks": ("tc", {"intra_tc.PHASE1": "tma_qkg"}),
     "tma_qkg_pf66_split": ("split", {"intra_tc.PHASE1": "tma_qkg", "intra_tc.PREFETCH_AHEAD": 66}),
     # device_round pf_tma: stage 1's L2 prefetch distance (CTAs ahead; 66 the default) now that q, k, g arrive by TMA
+    # device_round pack_premise: stage 1 without T''s store, stage 2 reading ~8 KB of [Aqk | T'] a chunk instead of
+    # 16 (timing only: what packing the two into one 64 x 64 tile would save at most)
+    "pack_premise_split": ("split", {"intra_tc.DIAG": ("no_tp_store",), "recur.RECUR_DIAG": ("half_at",)}),
     **{f"pf{n}_split": ("split", {"intra_tc.PREFETCH_AHEAD": n}) for n in (0, 33, 132)},
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
@@ -294,12 +297,13 @@ def record_launches(scenario: str) -> list[tuple]:
     from cula.kernels.sm90 import kda_fwd_check as chk
 
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+    from cula.kernels.sm90 import kda_fwd_recur as recur
 
     which, settings = SCENARIOS[scenario]
     seen: dict[tuple, tuple] = {}
-    modules = {"intra_tc": intra_tc}
+    modules = {"intra_tc": intra_tc, "recur": recur}
 
-    def owner(name: str) -> tuple[Any, str]:  # "X" is kda_fwd's, "intra_tc.X" the stage-1 module's
+    def owner(name: str) -> tuple[Any, str]:  # "X" is kda_fwd's, "intra_tc.X" / "recur.X" the stage modules'
         mod, _, attr = name.rpartition(".")
         return modules.get(mod, kda_fwd), attr
 

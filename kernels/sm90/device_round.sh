@@ -73,6 +73,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         tma_qk) envs="CULA_KDA_TC_PHASE1=tma_qk" ;;
         tma_qkg_pf66) envs="CULA_KDA_TC_PHASE1=tma_qkg CULA_KDA_TC_PREFETCH=66" ;;
         pf0 | pf33 | pf132) envs="CULA_KDA_TC_PREFETCH=${m#pf}" ;;
+        pack_bytes) envs="CULA_KDA_TC_DIAG=no_tp_store CULA_KDA_RECUR_DIAG=half_at" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
@@ -321,6 +322,11 @@ for s in $steps; do
     pf_tma)  # session 28: stage 1's L2 prefetch distance now that q, k, g arrive by TMA: the default (66 CTAs ahead
         # then, none since 2e1b3cc) against none, 33 and 132, then the default again (~110 s; AOT pf*_split)
         mode_splits pf_tma default pf0 pf33 pf132 default ;;
+    pack_premise)  # session 29: what packing Aqk and T' into one 64 x 64 tile (8 KB a chunk instead of 16) would
+        # save at most, timing only (outputs wrong): stage 1 without T''s store (CULA_KDA_TC_DIAG=no_tp_store) and
+        # stage 2 reading ~8 KB of distinct [Aqk | T'] memory a chunk (CULA_KDA_RECUR_DIAG=half_at), against the
+        # default twice in turn (<= 100 s; AOT pack_premise_split)
+        mode_splits pack_premise default pack_bytes default pack_bytes ;;
     g_first)  # session 28: g on its own mbarrier, issued first, q and k waited for after the gate work, the L2
         # prefetch off (the default since its first runs): one case first (a hang costs 45 s), the checks, the GPU
         # tests (bitwise tma_qkg's / tma_qk's / lean's outputs; Inf / NaN in later sequences reaches no earlier

@@ -609,6 +609,10 @@ def kda_fwd(
                       state_v_first=v_first)
         if u_split:  # only set, so the keys of the other calls stay as before (u_in is the input v)
             rflags.update(t_in=True)
+            if recur.RECUR_DIAG:  # timing diagnostics: o is wrong
+                warnings.warn(f"CULA_KDA_RECUR_DIAG={','.join(recur.RECUR_DIAG)}: stage 2's outputs are wrong "
+                              "(timing only)", stacklevel=2)
+                rflags.update(diag=recur.RECUR_DIAG)
         ssm = variant == "v2" and recur.use_state_smem(N, NC, h_in is not None or h_out is not None)
         launcher = _launcher("recur", (tuple(sorted(rflags.items())), o_dt, variant, pf, pdl, ssm),
                              lambda: recur.KdaFwdRecur(**rflags, variant=variant, h0_prefetch=pf, pdl=pdl,

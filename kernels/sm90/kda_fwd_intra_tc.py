@@ -184,8 +184,11 @@ PHASE1 = __import__("os").environ.get("CULA_KDA_TC_PHASE1", PHASE1_MODES[0])
 #: 23). A split per option against none says what each costs. ``clock`` (outputs right): the threads read the SM's
 #: cycle counter where each phase ends (after its CTA barrier); thread 0 stores CLOCK_SLOTS int64 per chunk after
 #: γ's floats in the same buffer (kda_fwd.LAST_CLOCKS; ``python -m cula.kernels.sm90.kda_fwd_clock`` reads them):
-#: the phases' time per chunk, and from the SM ids how much of a CTA's life it shares its SM.
-DIAG_OPTIONS = ("l2_loads", "no_qg_kgt", "no_wu_store", "no_aqk_store", "no_inverse", "no_v_u", "one_cta", "clock")
+#: the phases' time per chunk, and from the SM ids how much of a CTA's life it shares its SM. ``no_tp_store``
+#: (``t_out``): T''s store alone skipped, Aqk's kept: 8 KB a chunk fewer written, what packing Aqk and T' into one
+#: 64 x 64 tile would save stage 1 at most (session 29).
+DIAG_OPTIONS = ("l2_loads", "no_qg_kgt", "no_wu_store", "no_aqk_store", "no_inverse", "no_v_u", "one_cta", "clock",
+                "no_tp_store")
 #: the ``one_cta`` diagnostic's shared-memory request: more than half of an SM's 228 KB, within a CTA's 227 KB
 ONE_CTA_SMEM = 160 * 1024
 #: the diagnostics whose stage-1 outputs are right (kda_fwd warns for the others): one_cta changes only the warps per SM
@@ -1176,7 +1179,7 @@ class KdaFwdIntraTC:
                 tTs, tTg = cpasync.tma_partition(tma_aqk, 0, one, cute.group_modes(sTp, 0, 2),
                                                  cute.group_modes(gTp, 0, 2))
                 if lane == 0:
-                    if cutlass.const_expr("no_aqk_store" in self.diag):
+                    if cutlass.const_expr("no_aqk_store" in self.diag or "no_tp_store" in self.diag):
                         if scale < F32(0.0):  # never (timing only)
                             cute.copy(tma_aqk, tTs[None, 0], tTg[None, chunk])
                     else:

@@ -57,6 +57,12 @@ RECUR_VARIANT = __import__("os").environ.get("CULA_KDA_RECUR_VARIANT", "v2")  # 
 # into stages instead; varlen batches have many short items, which the persistent grid chains. A stage is w + qg (2 x 16 KB) + Aqk (8 KB) + kgᵀ (16 KB) + u (8 KB) + γ (512 B)
 # = 66,048 B; three of them keep two chunks of loads in flight behind the one being consumed, which
 # is what the scratch stream needs at ~4 TB/s (B1 T16384 H64 reads ~1.2 GB of scratch).
+#: Timing diagnostics of v2 (``CULA_KDA_RECUR_DIAG``, comma-separated; o and the final state are WRONG with any):
+#: ``half_at`` (t_in): the [Aqk | T'] box is read through a view whose rows are 64 elements apart instead of 128,
+#: so each chunk's box covers ~8 KB of distinct memory instead of 16 KB (the same 16 KB reach shared memory): what
+#: packing Aqk and T' into one 64 x 64 tile would save stage 2 in DRAM traffic (session 29).
+RECUR_DIAG_OPTIONS = ("half_at",)
+RECUR_DIAG = tuple(x for x in __import__("os").environ.get("CULA_KDA_RECUR_DIAG", "").split(",") if x)
 V2_STAGES = int(__import__("os").environ.get("CULA_KDA_RECUR_STAGES", "3"))  # env: A/B runs (2 frees 66 KB)
 V2_MATH_THREADS = 128  # warpgroup 0: every wgmma, the element-wise work and the o stores
 V2_TMA_WARP = 4  # the fifth warp issues the TMA loads; it holds no accumulators
@@ -149,7 +155,13 @@ class KdaFwdRecur:
 
     def __init__(self, has_initial_state: bool, output_final_state: bool, state_v_first: bool,
                  variant: str | None = None, h0_prefetch: bool | None = None, pdl: bool | None = None,
-                 state_smem: bool = False, t_in: bool = False):
+                 state_smem: bool = False, t_in: bool = False, diag: tuple = ()):
+        unknown = [d for d in diag if d not in RECUR_DIAG_OPTIONS]
+        if unknown:
+            raise ValueError(f"diag (CULA_KDA_RECUR_DIAG): expected names from {RECUR_DIAG_OPTIONS}, got {unknown}")
+        if "half_at" in diag and not t_in:
+            raise ValueError("diag half_at (CULA_KDA_RECUR_DIAG): needs t_in (the [Aqk | T'] rows), got t_in=False")
+        self.diag = tuple(diag)
         self.has_h0 = has_initial_state
         self.pdl = PDL if pdl is None else pdl
         self.h0_prefetch = V2_H0_PREFETCH if h0_prefetch is None else h0_prefetch
@@ -548,7 +560,8 @@ class KdaFwdRecur:
         self._setup_v2()
         if cutlass.const_expr(self.t_in):
             # [Aqk | T'] rows; v as (v, token, head): a box is vᵀ of the CTA's V half, at any first token
-            mAqk = cute.make_tensor(pAqk, cute.make_layout((R, 2 * CHUNK, HV), stride=(2 * CHUNK, 1, R * 2 * CHUNK)))
+            row_pitch = CHUNK if cutlass.const_expr("half_at" in self.diag) else 2 * CHUNK  # half_at: rows overlap
+            mAqk = cute.make_tensor(pAqk, cute.make_layout((R, 2 * CHUNK, HV), stride=(row_pitch, 1, R * 2 * CHUNK)))
             mU = cute.make_tensor(pU, cute.make_layout((DV, TT, HV), stride=(1, HV * DV, DV)))
         else:
             mAqk = cute.make_tensor(pAqk, cute.make_layout((R, CHUNK, HV), stride=(CHUNK, 1, R * CHUNK)))
