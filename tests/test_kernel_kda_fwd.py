@@ -283,6 +283,9 @@ def test_recur_v2_layout_facts():
     assert facts["o_compact_swap_mismatches"] == 0  # store_o_v2 takes one half-swap per thread
     assert facts["o_compact_exact_cover"] and facts["va_token_rows"] and facts["aqk_t_halves_are_t64"]
     assert facts["swizzle_va"] == "S<3,4,3>"
+    # pack: T''s MN-major copy has the packed tile's bytes where a K-major t64 tile has them, and mask_packed's
+    # piece offsets are the 128-byte-swizzled ones
+    assert facts["pack_tp_is_t64_transposed"] and facts["pack_mask_offset_mismatches"] == 0
 
 
 def test_bank_conflict_counter():
@@ -785,6 +788,51 @@ def test_gpu_tma_phase1_equals_the_one_before_and_ignores_later_sequences(monkey
     assert torch.equal(ht[:2], ht2[:2])
 
 
+#: The GPU test's cases for PACK: fixed, GVA V-first, varlen with zero-length and partial chunks, a long random
+#: varlen batch with many items per stage-2 CTA, the softplus gate and a log-space gate
+PACK_CASES = ["tc-T1", "tc-T65-gva-vfirst", "tc-T1000-negeig", "tc-varlen-zero", "tc-softplus-varlen-zero",
+              "tc-loggate-safe-varlen", "big-varlen"]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", PACK_CASES)
+def test_gpu_pack_equals_unpacked(name, monkeypatch):
+    """PACK stores one [64, 64] tile a chunk (Aqk, T' transposed above it) and T''s diagonal after γ; stage 2
+    masks two copies of it into the very tiles the unpacked path loads. Stage 1's scratch, taken apart on the
+    host, and o and the final state are bitwise the unpacked path's, with and without a state, twice, and o
+    inside a CUDA graph."""
+    from cula.kernels.sm90 import kda_fwd_check as chk
+
+    dev = torch.device("cuda")
+    if name == "big-varlen":
+        from cula.suites.lengths import cu_seqlens_from_lengths, varlen_lengths
+
+        cu = cu_seqlens_from_lengths(varlen_lengths("random", 20, 8192))
+        case = (name, 1, 8192, 16, 16, cu, dict(chk._TC, lower_bound=-5.0))
+    else:
+        case = next(c for c in chk.CASES if c[0] == name)
+    args, kw = chk._inputs(*case, dev=dev)
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    for state in (kw, {**kw, "initial_state": None, "output_final_state": False}):
+        monkeypatch.setattr(kda_fwd, "PACK", False)
+        o_ref, ht_ref, scr_ref = kda_fwd.kda_fwd(*args, **state, return_scratch=True)
+        monkeypatch.setattr(kda_fwd, "PACK", True)
+        for _ in range(2):
+            o, ht, scr = kda_fwd.kda_fwd(*args, **state, return_scratch=True)
+            torch.cuda.synchronize()
+            for n in ("w", "qg", "aqk", "tp", "kgt", "gam"):
+                assert torch.equal(scr[n], scr_ref[n]), n
+            assert torch.equal(o, o_ref)
+            assert (ht is None and ht_ref is None) or torch.equal(ht, ht_ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, _ = kda_fwd.kda_fwd(*args, **state)  # (the last state: none, whose o_ref is the one above)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_g, o_ref)
+
+
 RECUR_CASES = ["T1", "T15-l2-gate", "T65-gva-vfirst", "T1000-all", "varlen-zero", "varlen-33"]
 
 
@@ -960,6 +1008,95 @@ def test_host_path_u_in_recur(monkeypatch, cu):
     calls.clear()
     kda_fwd.kda_fwd(*args, **{**kw, "use_qk_l2norm_in_kernel": False})
     assert [c[0] for c in calls] == ["intra", "recur"] and "t_in" not in dict(calls[1][1][0])
+
+
+def _pack_like_stage1(aqk: torch.Tensor, tp: torch.Tensor, gam: torch.Tensor) -> tuple:
+    """What stage 1 writes with PACK, in torch: per chunk Aqk on and below the diagonal and T' transposed above
+    it, and γ's row followed by T''s diagonal (64 bf16 in 32 floats)."""
+    HV, R, C = aqk.shape
+    a, t = aqk.view(HV, R // C, C, C), tp.view(HV, R // C, C, C)
+    packed = a.tril() + t.tril(-1).transpose(-1, -2)
+    tail = torch.diagonal(t, dim1=-2, dim2=-1).contiguous().view(torch.float32)  # [HV, NC, 32]
+    return packed.reshape(HV, R, C), torch.cat([gam, tail], dim=-1)
+
+
+def test_unpack_aqk_tp_inverts_the_packing():
+    """``unpack_aqk_tp`` gives back Aqk (lower, with its diagonal), T' (lower, with bf16(β) on the diagonal)
+    and γ from the packed tile and γ's longer rows, bitwise; the upper halves of both come back zero."""
+    from cula.kernels.sm90.kda_fwd_recur import GAM_PITCH_PACK
+
+    g = torch.Generator().manual_seed(3)
+    HV, NC, C, K = 2, 3, 64, 128
+    aqk = torch.randn(HV, NC, C, C, generator=g).tril().bfloat16().view(HV, NC * C, C)
+    tp = torch.randn(HV, NC, C, C, generator=g).tril().bfloat16().view(HV, NC * C, C)
+    gam = torch.rand(HV, NC, K, generator=g)
+    packed, rows = _pack_like_stage1(aqk, tp, gam)
+    assert rows.shape == (HV, NC, GAM_PITCH_PACK)
+    out = kda_fwd.unpack_aqk_tp(packed, rows, K)
+    assert torch.equal(out["aqk"], aqk) and torch.equal(out["tp"], tp) and torch.equal(out["gam"], gam)
+
+
+def test_host_path_pack(monkeypatch):
+    """With PACK (and u in stage 2) both stages are built with ``pack``, the Aqk buffer is [HV, R, 64] (the packed
+    tile) and γ's rows GAM_PITCH_PACK floats; without it the keys and buffers are as before; the clock diagnostic
+    keeps the unpacked scratch (its slots follow γ's rows). Each kernel refuses pack without u in stage 2."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+    from cula.kernels.sm90 import kda_fwd_recur as recur
+
+    calls = record_kda_launches(monkeypatch)
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    allocs = record_allocations(monkeypatch)
+    args, kw = _case(1, 130, 2, 2, None, seed=4, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                     use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, safe_gate=True)
+    args = tuple(x.bfloat16() for x in args)
+    kda_fwd.kda_fwd(*args, **kw)
+    monkeypatch.setattr(kda_fwd, "PACK", True)
+    kda_fwd.kda_fwd(*args, **kw)
+    (_, k1, _, v1), (_, k2, _, v2), (_, k3, _, v3), (_, k4, _, v4) = calls
+    assert "pack" not in dict(k1[0]) and "pack" not in dict(k2[0])
+    assert dict(k3[0])["pack"] is True and dict(k4[0])["pack"] is True
+    assert {k: v for k, v in dict(k3[0]).items() if k != "pack"} == dict(k1[0])
+    by_ptr = {t.data_ptr(): t for t in allocs}
+    nc = v3[17]
+    assert by_ptr[v1[11]].shape == (2, nc * 64, 128) and by_ptr[v3[11]].shape == (2, nc * 64, 64)
+    assert by_ptr[v1[13]].shape == (2, nc, 128) and by_ptr[v3[13]].shape == (2, nc, recur.GAM_PITCH_PACK)
+    assert v4[2] == v3[11] and v4[5] == v3[13]  # stage 2 reads the packed tile and γ's longer rows
+    calls.clear()
+    monkeypatch.setattr(intra_tc, "DIAG", ("clock",))
+    kda_fwd.kda_fwd(*args, **kw)
+    assert all("pack" not in dict(key[0]) for _, key, _, _ in calls)
+    flags = dict(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True, allow_neg_eigval=False,
+                 group=1)
+    with pytest.raises(ValueError, match="CULA_KDA_PACK"):
+        intra_tc.KdaFwdIntraTC(**flags, pack=True)
+    with pytest.raises(ValueError, match="CULA_KDA_PACK"):
+        recur.KdaFwdRecur(True, True, False, variant="v2", pack=True)
+
+
+def test_ptx_pack():
+    """The packed [Aqk | T'] builds: stage 1 issues one TMA store fewer (Aqk leaves with T'), scatters T' below the
+    diagonal into the staging (32 predicated 2-byte shared stores a thread) and stores the diagonal once a row;
+    stage 2 issues the same TMA loads as u in stage 2 (the 16 KB box is two 8 KB boxes) and masks the two copies
+    (two more fences and barriers, 12 more 16-byte stores and 8 more loads a thread). No spills."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common.ptx_check import ptx_reports
+
+    reps = ptx_reports("cula.kernels.sm90.kda_fwd", ["intra_tc_t_out_block32_pack", "intra_tc_t_out_block32",
+                                                     "recur_v2_t_in_pack", "recur_v2_t_in"])
+    p1, d1, p2, d2 = (reps[n] for n in ("intra_tc_t_out_block32_pack", "intra_tc_t_out_block32",
+                                        "recur_v2_t_in_pack", "recur_v2_t_in"))
+    assert p1.spill_bytes == 0 and p2.spill_bytes == 0
+    assert p1.count("cp.async.bulk.tensor") == d1.count("cp.async.bulk.tensor") - 1
+    assert p1.count("st.shared.b16") == d1.count("st.shared.b16") + 32
+    assert p1.count("st.global.b16") == d1.count("st.global.b16") + 1
+    assert p1.count("wgmma.mma_async") == d1.count("wgmma.mma_async")
+    assert p2.count("cp.async.bulk.tensor") == d2.count("cp.async.bulk.tensor")
+    assert p2.count("fence.proxy.async") == d2.count("fence.proxy.async") + 2
+    assert p2.count("bar.sync") == d2.count("bar.sync") + 2
+    assert p2.count("st.shared.v4") == d2.count("st.shared.v4") + 12
+    assert p2.count("ld.shared.v4") == d2.count("ld.shared.v4") + 8
+    assert p2.count("wgmma.mma_async") == d2.count("wgmma.mma_async")
 
 
 def test_host_path_recur_diag_half_at(monkeypatch):

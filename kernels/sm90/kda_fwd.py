@@ -63,6 +63,12 @@ LOG_GATE_OPT_IN = "kda_fwd_loggate"
 #: and --split worst gave B2 T16384 H64 2.705 -> 2.612 ms (stage 1 1.988 -> 1.835), varlen n20 T4096 -3.2 to
 #: -3.9%. ``CULA_KDA_U_IN_RECUR=0`` turns it off for A/B runs.
 U_IN_RECUR = __import__("os").environ.get("CULA_KDA_U_IN_RECUR", "1") == "1"
+#: Packed [Aqk | T'] (session 29, with U_IN_RECUR; opt-in until its GPU run): stage 1 stores one [64, 64] tile a
+#: chunk, Aqk on and below the diagonal and T' transposed above it, and T''s diagonal after γ in γ's row
+#: (recur.GAM_PITCH_PACK floats); stage 2 loads the tile twice and masks each copy. 8 KB fewer a chunk and value
+#: head written by stage 1 and read by stage 2 (of ~112 and ~96 KB). Not with the clock diagnostic (its slots
+#: follow γ's unpacked rows). ``CULA_KDA_PACK=1``.
+PACK = __import__("os").environ.get("CULA_KDA_PACK", "0") == "1"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -570,18 +576,20 @@ def kda_fwd(
     tc_v2 = kind == "tc" and recur.RECUR_VARIANT == "v2" and not identity_response
     # u in stage 2 (U_IN_RECUR): the Aqk rows get T' beside them, w is stored negated, u is not formed
     u_split = U_IN_RECUR and tc_v2 and not fla_factors
+    pack = PACK and u_split and not _stage1_clock()
     w = torch.empty(HV, R, K, dtype=bf16, device=dev)
     u = None if u_split else torch.empty(HV, R, V, dtype=bf16, device=dev)
     # with fla_factors stage 1 writes bf16(T) right after qg in the same buffer (kda_fwd_intra_tc.emit_akk)
     qg_akk = torch.empty(HV * R * (K + (CHUNK if fla_factors else 0)), dtype=bf16, device=dev)
     qg = qg_akk[:HV * R * K].view(HV, R, K)
-    aqk_tp = torch.empty(HV, R, 2 * CHUNK if u_split else CHUNK, dtype=bf16, device=dev)  # Aqk (| T')
+    # Aqk (| T'), or the packed tile
+    aqk_tp = torch.empty(HV, R, 2 * CHUNK if u_split and not pack else CHUNK, dtype=bf16, device=dev)
     aqk = aqk_tp[..., :CHUNK]
     kgt = torch.empty(HV, K, R, dtype=bf16, device=dev)
     if kind == "tc" and "intra" in stages and _stage1_clock():
         gam = _clock_buffer(HV, NC, K, chunks, dev)
     else:
-        gam = torch.empty(HV, NC, K, dtype=torch.float32, device=dev)
+        gam = torch.empty(HV, NC, recur.GAM_PITCH_PACK if pack else K, dtype=torch.float32, device=dev)
     dummy = _dummy(dev)
     a_log = A_log.float().contiguous() if (use_gate_in_kernel and A_log is not None) else dummy
     dtb = dt_bias.float().contiguous() if (use_gate_in_kernel and dt_bias is not None) else dummy
@@ -609,6 +617,8 @@ def kda_fwd(
                       state_v_first=v_first)
         if u_split:  # only set, so the keys of the other calls stay as before (u_in is the input v)
             rflags.update(t_in=True)
+            if pack:
+                rflags.update(pack=True)
             if recur.RECUR_DIAG:  # timing diagnostics: o is wrong
                 warnings.warn(f"CULA_KDA_RECUR_DIAG={','.join(recur.RECUR_DIAG)}: stage 2's outputs are wrong "
                               "(timing only)", stacklevel=2)
@@ -638,6 +648,8 @@ def kda_fwd(
             tc_flags.update(emit_akk=True)
         if u_split:  # (pU, unused then, gets the Aqk buffer: valid memory for the descriptor it is given)
             tc_flags.update(t_out=True)
+            if pack:
+                tc_flags.update(pack=True)
         if log_tc:
             tc_flags.update(log_gate=True, has_a_log=False, has_dt_bias=False)
         if intra_tc.GATE_FACTORS != intra_tc.GATE_FACTOR_MODES[0]:  # A/B runs only: the default keys stay short
@@ -696,9 +708,22 @@ def kda_fwd(
         akk = qg_akk[HV * R * K:].view(HV, R, CHUNK)
         return (out, ht, *(x.transpose(0, 1).index_select(0, rows).view(B, T, HV, CHUNK) for x in (aqk, akk)))
     if return_scratch:  # with u_split: -w for w, and T' as tp instead of u
+        if pack:  # the packed tile and T''s diagonal taken apart into the unpacked scratch
+            return out, ht, dict(w=w, qg=qg, kgt=kgt, **unpack_aqk_tp(aqk_tp, gam, K))
         return out, ht, dict(w=w, qg=qg, aqk=aqk, kgt=kgt, gam=gam,
                              **(dict(tp=aqk_tp[..., CHUNK:]) if u_split else dict(u=u)))
     return out, ht
+
+
+def unpack_aqk_tp(packed: torch.Tensor, gam_rows: torch.Tensor, K: int) -> dict:
+    """The packed stage-1 scratch (PACK) as the unpacked one: ``packed`` [HV, NC*64, 64] holds Aqk on and below each
+    chunk's diagonal and T' transposed above it, ``gam_rows`` [HV, NC, K + 32] fp32 γ and then T''s diagonal as 64
+    bf16. Returns ``aqk`` and ``tp`` [HV, NC*64, 64] bf16 and ``gam`` [HV, NC, K] fp32."""
+    HV, R, _ = packed.shape
+    p = packed.view(HV, R // CHUNK, CHUNK, CHUNK)
+    diag = gam_rows[..., K:].contiguous().view(torch.bfloat16)  # [HV, NC, 64]
+    tp = p.triu(1).transpose(-1, -2) + torch.diag_embed(diag)
+    return dict(aqk=p.tril().reshape(HV, R, CHUNK), tp=tp.reshape(HV, R, CHUNK), gam=gam_rows[..., :K])
 
 
 def token_rows(chunks: torch.Tensor, total_tokens: int) -> torch.Tensor:

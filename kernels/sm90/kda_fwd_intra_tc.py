@@ -56,6 +56,7 @@ from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
 from cula.kernels.common.sm_clock import clock64, smid
 from cula.kernels.common.wgmma_frag import a_operand_layout
 from cula.kernels.sm90.kda_fwd_clock import STAMP_NAMES as CLOCK_STAMPS
+from cula.kernels.sm90.kda_fwd_recur import GAM_PITCH_PACK
 
 CHUNK = 64  # tokens per chunk (FLA's chunk_size): one wgmma M tile
 DK = 128  # key head dim
@@ -239,6 +240,7 @@ class KdaFwdIntraTC:
         subst: str = SUBST_MODES[0],
         factor_block: int = FACTOR_BLOCKS[0],
         phase1: str = PHASE1_MODES[0],
+        pack: bool = False,
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -262,6 +264,15 @@ class KdaFwdIntraTC:
         # T' v + S^T(-w) in one accumulator); pU is not used
         assert not (t_out and emit_akk), "emit_akk keeps u (the training path runs the default stages)"
         self.t_out = t_out
+        # packed [Aqk | T'] (kda_fwd.PACK, t_out only): one [64, 64] tile per chunk, Aqk on and below the diagonal
+        # and T' strictly below it stored transposed (T'[i, j] at row j, column i), so the Aqk buffer is
+        # [HV, NC*64, 64]; T''s diagonal (bf16(β)) goes to γ's row, whose pitch becomes GAM_PITCH_PACK floats
+        # (γ's 128, then 64 bf16). Stage 2 (KdaFwdRecur(pack=True)) reads the tile twice and masks each copy.
+        if pack and not t_out:
+            raise ValueError("pack (CULA_KDA_PACK): needs t_out (u in stage 2), got t_out=False")
+        if pack and "clock" in diag:
+            raise ValueError("pack (CULA_KDA_PACK): the clock diagnostic's slots assume γ's unpacked pitch")
+        self.pack = pack
         # no v loads, prefetches or tile and no u product or store: t_out, or the diagnostic that times it
         self.skip_vu = t_out or "no_v_u" in self.diag
         self.clock = "clock" in self.diag  # phase timestamps (CLOCK_STAMPS), the outputs unchanged
@@ -340,7 +351,7 @@ class KdaFwdIntraTC:
 
         mW = cute.make_tensor(pW, cute.make_layout((R, DK, HV), stride=(DK, 1, R * DK)))
         mU = cute.make_tensor(pU, cute.make_layout((R, DV, HV), stride=(DV, 1, R * DV)))
-        aqk_w = 2 * CHUNK if cutlass.const_expr(self.t_out) else CHUNK  # row pitch: Aqk (| T')
+        aqk_w = 2 * CHUNK if cutlass.const_expr(self.t_out and not self.pack) else CHUNK  # row pitch: Aqk (| T')
         mAqk = cute.make_tensor(pAqk, cute.make_layout((R, aqk_w, HV), stride=(aqk_w, 1, R * aqk_w)))
         s2g = cpasync.CopyBulkTensorTileS2GOp()
         w_one = cute.slice_(self.w_layout, (None, None, 0))
@@ -694,7 +705,8 @@ class KdaFwdIntraTC:
         sY = cute.make_tensor(f32_base_qa + INV_SPILL, cute.make_layout((2 * SUB, 2 * SUB), stride=(YPAD, 1)))
         tb_raw = st.sQa.data_ptr() + CHUNK * DK // 2  # 8 KB into sQa: 1024-byte aligned
         sTb = _tile(tb_raw, tb_layout)
-        sAqk = _tile(st.sKb1.data_ptr() + 2 * 1024, aqk_layout)
+        aqk_raw = st.sKb1.data_ptr() + 2 * 1024
+        sAqk = _tile(aqk_raw, aqk_layout)
         # B'_1..3 (K̂ itself lands in B'_3's rows, which hold blocks 0-2)
         kb_raws = (st.sKb1.data_ptr(), st.sKb2.data_ptr(), st.sKb3.data_ptr())
         kb_tiles = (st.sKb1.get_tensor(kb1_layout.outer, swizzle=kb1_layout.inner),
@@ -1063,7 +1075,8 @@ class KdaFwdIntraTC:
             gam_out = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
                 gam_out[c] = cute.math.exp2(run[c], fastmath=True)
-            _vec(pGam, (hv * NC + chunk) * DK + d0, COLS_PER_THREAD).store(gam_out.load())
+            gp = GAM_PITCH_PACK if cutlass.const_expr(self.pack) else DK  # γ's row pitch (floats)
+            _vec(pGam, (hv * NC + chunk) * gp + d0, COLS_PER_THREAD).store(gam_out.load())
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
         self.stamp(ts, "phase2", tidx)
@@ -1122,17 +1135,18 @@ class KdaFwdIntraTC:
         cute.arch.sync_threads()
         self.stamp(ts, "combine", tidx)
         one = cute.make_layout(1)
-        if warp == 0:
-            gAqk = cute.local_tile(tAqk[None, None, hv], (CHUNK, CHUNK), (None, 0))
-            tAs, tAg = cpasync.tma_partition(tma_aqk, 0, one, cute.group_modes(sAqk, 0, 2),
-                                             cute.group_modes(gAqk, 0, 2))
-            if lane == 0:
-                if cutlass.const_expr("no_aqk_store" in self.diag):
-                    if scale < F32(0.0):  # never (timing only)
+        if cutlass.const_expr(not self.pack):  # pack: Aqk leaves with T' (after phase 4)
+            if warp == 0:
+                gAqk = cute.local_tile(tAqk[None, None, hv], (CHUNK, CHUNK), (None, 0))
+                tAs, tAg = cpasync.tma_partition(tma_aqk, 0, one, cute.group_modes(sAqk, 0, 2),
+                                                 cute.group_modes(gAqk, 0, 2))
+                if lane == 0:
+                    if cutlass.const_expr("no_aqk_store" in self.diag):
+                        if scale < F32(0.0):  # never (timing only)
+                            cute.copy(tma_aqk, tAs[None, 0], tAg[None, chunk])
+                    else:
                         cute.copy(tma_aqk, tAs[None, 0], tAg[None, chunk])
-                else:
-                    cute.copy(tma_aqk, tAs[None, 0], tAg[None, chunk])
-                cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_commit_group()
 
         # ==================================================== phase 4: T = (I + Akk)^-1, fp32 SIMT
         if cutlass.const_expr("no_inverse" in self.diag):
@@ -1160,6 +1174,12 @@ class KdaFwdIntraTC:
                     tv[c] = F32(0.0)
             obf.store(tv.load().to(BF16))
             _st8(tb_layout, tb_raw, (ti, j0, 0), obf)
+            if cutlass.const_expr(self.pack):
+                # T' below the diagonal into the Aqk staging, transposed (its Aqk half is zero there)
+                for c in cutlass.range_constexpr(8):
+                    if j0 + c < ti:
+                        off = _swizzled_offset(aqk_layout, (j0 + c, ti, 0))
+                        cute.make_tensor(aqk_raw + off, cute.make_layout(1))[0] = obf[c]
             if cutlass.const_expr(self.emit_akk):
                 for c in cutlass.range_constexpr(8):
                     tv[c] = t8[c // 4, c % 4]
@@ -1167,10 +1187,23 @@ class KdaFwdIntraTC:
                         tv[c] = F32(0.0)
                 obf.store(tv.load().to(BF16))
                 cute.autovec_copy(obf, _vec(pQG + HV * R * DK, (hv * R + row0 + ti) * CHUNK + j0, 8))
+        if cutlass.const_expr(self.pack):
+            if tidx % tpr == 0:  # T''s diagonal (formed as above: T_ii β_i), after γ in γ's row
+                p_diag = cute.recast_ptr(pGam, dtype=BF16) + ((hv * NC + chunk) * GAM_PITCH_PACK + DK) * 2
+                _vec(p_diag, ti, 1)[0] = (sT[ti, ti] * sBeta[ti]).to(BF16)
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
         self.stamp(ts, "t_prime", tidx)
-        if cutlass.const_expr(self.t_out):
+        if cutlass.const_expr(self.pack):
+            # the packed tile (Aqk, T' transposed above the diagonal) leaves while phase 5 runs
+            if warp == 0:
+                gAqk = cute.local_tile(tAqk[None, None, hv], (CHUNK, CHUNK), (None, 0))
+                tAs, tAg = cpasync.tma_partition(tma_aqk, 0, one, cute.group_modes(sAqk, 0, 2),
+                                                 cute.group_modes(gAqk, 0, 2))
+                if lane == 0:
+                    cute.copy(tma_aqk, tAs[None, 0], tAg[None, chunk])
+                    cute.arch.cp_async_bulk_commit_group()
+        elif cutlass.const_expr(self.t_out):
             # T' leaves for stage 2 (columns 64-127 of the Aqk rows) while phase 5 reads the same tile
             # (the Aqk staging layout is T''s operand layout: kda_fwd_intra_tc.layout_facts)
             if warp == 0:
@@ -1634,6 +1667,8 @@ def compile_targets():
         # session 28's first phase 1 (q, k, g by TMA on one barrier; PHASE1 "tma_qkg"); session 27's (q, k by TMA)
         "t_out_block32_tma_qkg": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_qkg"),
         "t_out_block32_tma_qk": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_qk"),
+        # the packed [Aqk | T'] tile (kda_fwd.PACK) on the default stage 1
+        "t_out_block32_pack": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them

@@ -107,6 +107,9 @@ STATE_BUF = max(DK * STATE_PITCH_KF, BV * STATE_PITCH_VF)  # fp32 elements (34,8
 STATE_PIECES = BV * DK // 4 // V2_MATH_THREADS  # 16-byte pieces of a state tile per math thread (16)
 STATE_BARRIER = 1  # named barrier of the 128 math threads (0 is the CTA's)
 V_ZERO_BARRIER = 2  # t_in: the math threads' zeroing of a partial chunk's v rows is done
+PACK_BARRIER = 3  # pack: the math threads' masking of a stage's Aqk or T' copy is done
+#: pack (session 29): γ's row in floats, γ's DK then T''s diagonal as 64 bf16 (stage 1 writes both)
+GAM_PITCH_PACK = DK + CHUNK // 2
 
 
 def use_state_smem(num_seqs: int, num_chunks: int, has_state: bool) -> bool:
@@ -155,7 +158,7 @@ class KdaFwdRecur:
 
     def __init__(self, has_initial_state: bool, output_final_state: bool, state_v_first: bool,
                  variant: str | None = None, h0_prefetch: bool | None = None, pdl: bool | None = None,
-                 state_smem: bool = False, t_in: bool = False, diag: tuple = ()):
+                 state_smem: bool = False, t_in: bool = False, diag: tuple = (), pack: bool = False):
         unknown = [d for d in diag if d not in RECUR_DIAG_OPTIONS]
         if unknown:
             raise ValueError(f"diag (CULA_KDA_RECUR_DIAG): expected names from {RECUR_DIAG_OPTIONS}, got {unknown}")
@@ -180,8 +183,17 @@ class KdaFwdRecur:
         if t_in and variant != "v2":
             raise ValueError(f"t_in: expected variant 'v2', got {variant!r}")
         self.t_in = t_in
+        # packed [Aqk | T'] (kda_fwd.PACK; stage 1 built with pack): one [64, 64] tile a chunk, Aqk on and below
+        # the diagonal, T' transposed above it, T''s diagonal after γ. It is loaded twice, into the Aqk tile (read
+        # K-major, as unpacked) and into a T' tile read MN-major (B = the tile's transpose), and the math threads
+        # zero each copy's other half (and set T''s diagonal) before the products that read it.
+        if pack and not t_in:
+            raise ValueError("pack (CULA_KDA_PACK): needs t_in (u in stage 2), got t_in=False")
+        self.pack = pack
+        self.gam_pitch = GAM_PITCH_PACK if pack else DK
         self.o_pitch = V2_O_PITCH_COMPACT if t_in else V2_O_PITCH
-        self.aqk_cols = 2 * CHUNK if t_in else CHUNK  # a chunk's Aqk (| T') box
+        self.aqk_cols = 2 * CHUNK if t_in and not pack else CHUNK  # a chunk's Aqk (| T') box
+        self.tp_k0 = 0 if pack else CHUNK // 16  # T''s first k block in its B fragment
 
     def _setup(self):
         """MMA atoms and smem layouts (needs the DSL's IR context: called inside __call__)."""
@@ -519,11 +531,15 @@ class KdaFwdRecur:
         # v sit in different 16-byte columns.
         self.t64_layout = sm90_utils.make_smem_layout_b(row, (BV, CHUNK, CHUNK), bf16, S)
         self.kgt2_layout = sm90_utils.make_smem_layout_b(row, (BV, DK, CHUNK), bf16, S)  # [128 k, 64 tok]
-        self.gam_layout = cute.make_layout((DK, 1, S), stride=(1, DK, DK))  # γ [128] fp32 per stage
+        gp = self.gam_pitch  # pack: T''s diagonal after γ
+        self.gam_layout = cute.make_layout((gp, 1, S), stride=(1, gp, gp))  # γ [128] fp32 per stage
         # t_in: [Aqk | T'] rows in one [64 tok, 128] tile (two t64 tiles back to back: layout_facts), and
         # v [64 tok, 64 v] as the A operand vᵀ (M = v contiguous, i.e. MN-major) of an SS product
-        self.aqk2_layout = self.w2_layout if self.t_in else self.t64_layout
+        self.aqk2_layout = self.w2_layout if self.t_in and not self.pack else self.t64_layout
         col = utils.LayoutEnum.COL_MAJOR
+        # pack: T' as the B operand of vᵀ T'ᵀ read MN-major from a copy of the packed tile, whose T' half is the
+        # transpose (the same bytes as a K-major t64 tile: layout_facts)
+        self.tp_layout = sm90_utils.make_smem_layout_b(col, (BV, CHUNK, CHUNK), bf16, S) if self.pack else None
         self.va_layout = (sm90_utils.make_smem_layout_a(col, (BV, CHUNK, CHUNK), bf16, S) if self.t_in
                           else self.t64_layout)
 
@@ -556,9 +572,16 @@ class KdaFwdRecur:
         mW = cute.make_tensor(pW, cute.make_layout((R, DK, HV), stride=(DK, 1, R * DK)))
         mQG = cute.make_tensor(pQG, cute.make_layout((R, DK, HV), stride=(DK, 1, R * DK)))
         mKGT = cute.make_tensor(pKGT, cute.make_layout((DK, R, HV), stride=(R, 1, DK * R)))
-        mGam = cute.make_tensor(pGam, cute.make_layout((DK, NC, HV), stride=(1, DK, NC * DK)))
+        gp = self.gam_pitch
+        mGam = cute.make_tensor(pGam, cute.make_layout((gp, NC, HV), stride=(1, gp, NC * gp)))
         self._setup_v2()
-        if cutlass.const_expr(self.t_in):
+        tma_tp = tTp = None
+        if cutlass.const_expr(self.pack):
+            # the packed tile as Aqk rows (token i, token j) and, for the T' copy, as (j, i): T'[i, j] = P[j, i]
+            mAqk = cute.make_tensor(pAqk, cute.make_layout((R, CHUNK, HV), stride=(CHUNK, 1, R * CHUNK)))
+            mTp = cute.make_tensor(pAqk, cute.make_layout((CHUNK, R, HV), stride=(1, CHUNK, R * CHUNK)))
+            mU = cute.make_tensor(pU, cute.make_layout((DV, TT, HV), stride=(1, HV * DV, DV)))
+        elif cutlass.const_expr(self.t_in):
             # [Aqk | T'] rows; v as (v, token, head): a box is vᵀ of the CTA's V half, at any first token
             row_pitch = CHUNK if cutlass.const_expr("half_at" in self.diag) else 2 * CHUNK  # half_at: rows overlap
             mAqk = cute.make_tensor(pAqk, cute.make_layout((R, 2 * CHUNK, HV), stride=(row_pitch, 1, R * 2 * CHUNK)))
@@ -580,8 +603,16 @@ class KdaFwdRecur:
         tma_w, tW = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mW, w_one, (CHUNK, DK))
         tma_qg, tQG = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mQG, w_one, (CHUNK, DK))
         tma_kgt, tKGT = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mKGT, kgt_one, (DK, CHUNK))
-        tma_gam, tGam = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mGam, gam_one, (DK, 1))
-        if cutlass.const_expr(self.t_in):
+        tma_gam, tGam = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mGam, gam_one, (gp, 1))
+        if cutlass.const_expr(self.pack):
+            va_one = cute.slice_(self.va_layout, (None, None, 0))
+            tp_one = cute.slice_(self.tp_layout, (None, None, 0))
+            tma_aqk, tAqk = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mAqk, t64_one, (CHUNK, CHUNK))
+            tma_tp, tTp = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mTp, tp_one, (CHUNK, CHUNK))
+            tma_u, tU = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mU, va_one, (BV, CHUNK))
+            aqk_bytes = cute.size_in_bytes(bf16, t64_one) + cute.size_in_bytes(bf16, tp_one)
+            u_bytes = cute.size_in_bytes(bf16, va_one)
+        elif cutlass.const_expr(self.t_in):
             va_one = cute.slice_(self.va_layout, (None, None, 0))
             tma_aqk, tAqk = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mAqk, w_one, (CHUNK, 2 * CHUNK))
             tma_u, tU = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mU, va_one, (BV, CHUNK))
@@ -597,26 +628,39 @@ class KdaFwdRecur:
             + cute.size_in_bytes(f32, gam_one)
         )
 
-        @cute.struct
-        class SharedStorageV2:
-            bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            sW: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.w2_layout)], 1024]
-            sQG: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.w2_layout)], 1024]
-            sAqk: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.aqk2_layout)], 1024]
-            sKGT: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.kgt2_layout)], 1024]
-            sU: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.va_layout)], 1024]
-            sGam: cute.struct.Align[cute.struct.MemRange[f32, cute.cosize(self.gam_layout)], 128]
-            sO: cute.struct.Align[cute.struct.MemRange[mO.element_type, V2_WARPS * CHUNK * self.o_pitch], 128]
-            sH: cute.struct.Align[cute.struct.MemRange[f32, STATE_BUF if self.state_smem else 4], 128]
-
+        SharedStorageV2 = self.storage_class_v2(mO.element_type)
         self.shared_storage_v2 = SharedStorageV2
         assert SharedStorageV2.size_in_bytes() <= SMEM_PER_BLOCK, "v2's stages do not fit one CTA"
         self.kernel_v2(
             tma_w, tW, tma_qg, tQG, tma_aqk, tAqk, tma_kgt, tKGT, tma_u, tU, tma_gam, tGam,
             mChunks, mSeq, mO, mH0, mHT, self.mma_rs_n64, self.mma_rs_n128,
             self.w2_layout, self.t64_layout, self.kgt2_layout, self.gam_layout, self.aqk2_layout, self.va_layout,
+            tma_tp, tTp, self.tp_layout,
         ).launch(grid=[cutlass.min((DV // BV) * HV * N, max_ctas), 1, 1], block=[V2_THREADS, 1, 1],
                  smem=SharedStorageV2.size_in_bytes(), stream=stream, use_pdl=self.pdl)
+
+    def storage_class_v2(self, o_dtype):
+        """v2's shared memory: the stages' tiles, γ, the o staging and the state buffer (a plain method: the jit's
+        rewriting of ``if`` would reach into a class body)."""
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+
+        mem, align = cute.struct.MemRange, cute.struct.Align
+        members = {  # (built as a dict: this module's annotations are strings, which cute.struct does not read)
+            "bars": mem[cutlass.Int64, self.stages * 2],
+            "sW": align[mem[bf16, cute.cosize(self.w2_layout)], 1024],
+            "sQG": align[mem[bf16, cute.cosize(self.w2_layout)], 1024],
+            "sAqk": align[mem[bf16, cute.cosize(self.aqk2_layout)], 1024],
+            "sKGT": align[mem[bf16, cute.cosize(self.kgt2_layout)], 1024],
+            "sU": align[mem[bf16, cute.cosize(self.va_layout)], 1024],
+        }
+        if self.pack:  # T''s copy of the packed tile
+            members["sTp"] = align[mem[bf16, cute.cosize(self.tp_layout)], 1024]
+        members.update({
+            "sGam": align[mem[f32, cute.cosize(self.gam_layout)], 128],
+            "sO": align[mem[o_dtype, V2_WARPS * CHUNK * self.o_pitch], 128],
+            "sH": align[mem[f32, STATE_BUF if self.state_smem else 4], 128],
+        })
+        return cute.struct(type("SharedStorageV2", (), {"__annotations__": members}))
 
     @cute.kernel
     def kernel_v2(
@@ -646,6 +690,9 @@ class KdaFwdRecur:
         gam_layout: cute.Layout,
         aqk_layout: cute.ComposedLayout,
         u_layout: cute.ComposedLayout,
+        tma_tp,  # pack: the T' copy's atom, tensor and smem layout (None otherwise)
+        tTp,
+        tp_layout,
     ):
         f32, bf16 = cutlass.Float32, cutlass.BFloat16
         tidx, _, _ = cute.arch.thread_idx()
@@ -686,11 +733,18 @@ class KdaFwdRecur:
         sO_w = storage.sO.data_ptr() + warp_idx * (CHUNK * self.o_pitch)
         sH = storage.sH.get_tensor(cute.make_layout(STATE_BUF if self.state_smem else 4))  # the state buffer
         u_raw = storage.sU.data_ptr()  # the u / v tiles' unswizzled start
+        sTp = tp_raw = aqk_raw = gam_bf16 = None
+        if cutlass.const_expr(self.pack):
+            sTp = storage.sTp.get_tensor(tp_layout.outer, swizzle=tp_layout.inner)  # (i, j, stage): T'
+            tp_raw, aqk_raw = storage.sTp.data_ptr(), storage.sAqk.data_ptr()  # the copies' unswizzled starts
+            gam_bf16 = cute.recast_ptr(storage.sGam.data_ptr(), dtype=bf16)  # T''s diagonal: after γ in its row
 
         if warp_idx == V2_TMA_WARP:
             # ============ TMA warp: each stage is refilled as soon as the math warps release it
             for atom in (tma_w, tma_qg, tma_aqk, tma_kgt, tma_u, tma_gam):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
+            if cutlass.const_expr(self.pack):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_tp)
             if cutlass.const_expr(self.pdl):
                 # stage 1's scratch is complete and visible past this point. The math warps read only
                 # the initial state, the chunk tables (both written before stage 1 started) and what
@@ -710,7 +764,7 @@ class KdaFwdRecur:
                 gU = tU  # t_in: tiled per chunk below (a chunk starts at any token)
                 if cutlass.const_expr(not self.t_in):
                     gU = cute.local_tile(tU[None, None, hv], (CHUNK, BV), (None, vtile))
-                gG = cute.local_tile(tGam[None, None, hv], (DK, 1), (0, None))
+                gG = cute.local_tile(tGam[None, None, hv], (self.gam_pitch, 1), (0, None))
                 tWs, tWg = part(tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
                 tQs, tQg = part(tma_qg, 0, one, cute.group_modes(sQG, 0, 2), cute.group_modes(gQG, 0, 2))
                 tAs, tAg = part(tma_aqk, 0, one, cute.group_modes(sAqk, 0, 2), cute.group_modes(gAqk, 0, 2))
@@ -719,6 +773,10 @@ class KdaFwdRecur:
                 if cutlass.const_expr(not self.t_in):
                     tUs, tUg = part(tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gU, 0, 2))
                 tGs, tGg = part(tma_gam, 0, one, cute.group_modes(sGam, 0, 2), cute.group_modes(gG, 0, 2))
+                tPs = tPg = None
+                if cutlass.const_expr(self.pack):
+                    gTp = cute.local_tile(tTp[None, None, hv], (CHUNK, CHUNK), (0, None))
+                    tPs, tPg = part(tma_tp, 0, one, cute.group_modes(sTp, 0, 2), cute.group_modes(gTp, 0, 2))
                 for ci in cutlass.range(n_chunks, unroll=1):
                     c = c_first + ci
                     pipe.producer_acquire(prod)
@@ -738,6 +796,8 @@ class KdaFwdRecur:
                     cute.copy(tma_gam, tGg[None, c], tGs[None, st], tma_bar_ptr=bar)
                     cute.copy(tma_kgt, tKg[None, c], tKs[None, st], tma_bar_ptr=bar)
                     cute.copy(tma_aqk, tAg[None, c], tAs[None, st], tma_bar_ptr=bar)
+                    if cutlass.const_expr(self.pack):
+                        cute.copy(tma_tp, tPg[None, c], tPs[None, st], tma_bar_ptr=bar)
                     pipe.producer_commit(prod)
                     prod.advance()
         else:
@@ -751,7 +811,10 @@ class KdaFwdRecur:
                 mma_t = self.make_mma_t()  # vᵀ T'ᵀ's operand partitions
                 thr_t = mma_t.get_slice(tidx)
                 rA_v = mma_t.make_fragment_A(thr_t.partition_A(sU))  # vᵀ
-                rB_tp = mma_t.make_fragment_B(thr_t.partition_B(sAqk))  # k blocks 4-7: T'
+                tp_src = sAqk  # k blocks 4-7: T'
+                if cutlass.const_expr(self.pack):
+                    tp_src = sTp  # its own tile (k blocks 0-3), MN-major
+                rB_tp = mma_t.make_fragment_B(thr_t.partition_B(tp_src))
             rB_kgt = mma_n128.make_fragment_B(thr128.partition_B(sKGT))
             acc_s = thr128.make_fragment_C(thr128.partition_shape_C((BV, DK)))
             acc_vt = thr64.make_fragment_C(thr64.partition_shape_C((BV, CHUNK)))
@@ -803,6 +866,8 @@ class KdaFwdRecur:
                     # group 1: Sᵀ wᵀ, the head of the chain through the chunk (t_in: after vᵀ T'ᵀ, into the same
                     # accumulator, so it is v_newᵀ itself); group 2: oᵀ = Sᵀ qgᵀ, off the chain, keeps the tensor
                     # pipe busy while v_new is formed
+                    if cutlass.const_expr(self.pack):  # T''s copy masked before vᵀ T'ᵀ reads it
+                        self.mask_packed(tp_raw, gam_bf16, st, tidx, True)
                     if cutlass.const_expr(self.t_in):
                         self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, st, seq_end - (bos + ci * CHUNK), tidx)
                     warpgroup.fence()
@@ -822,6 +887,8 @@ class KdaFwdRecur:
                         self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, warp_idx, tidx, bos, seq_end, ci - 1)
                     if cutlass.const_expr(not self.t_in):
                         cute.copy(u_copy, thr64.partition_C(sU_vt[None, None, st]), rU)
+                    if cutlass.const_expr(self.pack):  # Aqk's copy masked while groups 1-2 run (group 4 reads it)
+                        self.mask_packed(aqk_raw, gam_bf16, st, tidx, False)
                     warpgroup.wait_group(1)  # group 1 done
 
                     # v_newᵀ and Sᵀ diag(γ) (after the wait for the same reason as o)
@@ -954,9 +1021,10 @@ class KdaFwdRecur:
         """t_in's vᵀ T'ᵀ: A = vᵀ from shared memory, MN-major (made in the kernel: a TiledMma argument adds a
         kernel parameter, and the default's PTX stays byte-identical this way)."""
         bf16 = cutlass.BFloat16
+        b_major = utils.LayoutEnum.COL_MAJOR if self.pack else utils.LayoutEnum.ROW_MAJOR  # pack: T' transposed
         return sm90_utils.make_trivial_tiled_mma(
             bf16, bf16, utils.LayoutEnum.COL_MAJOR.sm90_mma_major_mode(),
-            utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1), (BV, CHUNK))
+            b_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1), (BV, CHUNK))
 
     @cute.jit
     def issue_vt(self, acc_vt, rA_v, rB_tp, u_raw, st, nvalid, tidx):
@@ -969,9 +1037,49 @@ class KdaFwdRecur:
         warpgroup.fence()
         mma_t.set(warpgroup.Field.ACCUMULATE, False)
         for kb in cutlass.range_constexpr(cute.size(rA_v, mode=[2])):
-            cute.gemm(mma_t, acc_vt, rA_v[None, None, kb, st], rB_tp[None, None, kb + 4, st], acc_vt)
+            cute.gemm(mma_t, acc_vt, rA_v[None, None, kb, st], rB_tp[None, None, kb + self.tp_k0, st], acc_vt)
             mma_t.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
+
+    @cute.jit
+    def mask_packed(self, raw: cute.Pointer, gam_bf16: cute.Pointer, st, tidx, t_copy: cutlass.Constexpr):
+        """pack: mask stage ``st``'s copy of the packed tile P (``raw``: the tile's unswizzled start; P[r, c] is
+        Aqk[r, c] for c <= r and T'[c, r] for c > r). The Aqk copy (``t_copy`` False) keeps c <= r; the T' copy
+        keeps c > r and gets T''s diagonal, bf16(β_r), from γ's row. A thread takes four 16-byte pieces (8
+        threads a 128-byte row: conflict-free); whole pieces on the dropped side are zeroed without a read. Then a
+        fence for the async proxy and a barrier of the math threads: the next products read the tile."""
+        bf16 = cutlass.BFloat16
+        zero = cute.make_rmem_tensor(cute.make_layout(8), bf16)
+        zero.fill(0.0)
+        piece = cute.make_rmem_tensor(cute.make_layout(8), bf16)
+        for m in cutlass.range_constexpr(CHUNK * 8 // V2_MATH_THREADS):
+            q = tidx + V2_MATH_THREADS * m
+            r = q // 8
+            p = q % 8
+            # the 128-byte swizzle: piece p of row r sits at 16-byte column p ^ (r % 8)
+            off = st * (CHUNK * CHUNK) + r * CHUNK + (p ^ (r % 8)) * 8
+            vec = cute.make_tensor(raw + cute.assume(off, divby=8), cute.make_layout(8))
+            if 8 * p + 7 < r:  # below the diagonal: Aqk's
+                if cutlass.const_expr(t_copy):
+                    vec.store(zero.load())
+            elif 8 * p > r:  # above it: T''s
+                if cutlass.const_expr(not t_copy):
+                    vec.store(zero.load())
+            else:
+                piece.store(vec.load())
+                for c in cutlass.range_constexpr(8):
+                    if cutlass.const_expr(t_copy):
+                        if 8 * p + c < r:
+                            piece[c] = bf16(0.0)
+                        if 8 * p + c == r:
+                            piece[c] = cute.make_tensor(gam_bf16 + (st * (2 * GAM_PITCH_PACK) + 2 * DK + r),
+                                                        cute.make_layout(1))[0]
+                    else:
+                        if 8 * p + c > r:
+                            piece[c] = bf16(0.0)
+                vec.store(piece.load())
+        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+        cute.arch.barrier(barrier_id=PACK_BARRIER, number_of_threads=V2_MATH_THREADS)
 
     @cute.jit
     def zero_v_rows(self, u_raw: cute.Pointer, st, nvalid, tidx):
@@ -1056,6 +1164,11 @@ def compile_targets():
     targets["v2_t_in_no_state"] = build(has_initial_state=False, output_final_state=False, state_v_first=False,
                                         variant="v2", t_in=True)
     targets["v2_t_in_state_smem"] = build(**full, variant="v2", state_smem=True, t_in=True)
+    # the packed [Aqk | T'] tile (kda_fwd.PACK): with a state, without, and the state buffer
+    targets["v2_t_in_pack"] = build(**full, variant="v2", t_in=True, pack=True)
+    targets["v2_t_in_pack_no_state"] = build(has_initial_state=False, output_final_state=False, state_v_first=False,
+                                             variant="v2", t_in=True, pack=True)
+    targets["v2_t_in_pack_state_smem"] = build(**full, variant="v2", state_smem=True, t_in=True, pack=True)
     return targets
 
 
@@ -1167,6 +1280,21 @@ def layout_facts() -> dict:
             == (c // CHUNK) * CHUNK * CHUNK + int(cute.crd2idx((n, c % CHUNK, 0), t64.outer))
             for n in range(CHUNK) for c in range(DK))
         facts["swizzle_va"] = str(va.inner)
+        # pack: T''s copy, an MN-major B tile, holds the packed tile's bytes as the K-major t64 tile does (element
+        # (i, j) of T' at P's (j, i)), both 128-byte swizzled; mask_packed's piece offsets are the swizzled ones
+        t64s = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (BV, CHUNK, CHUNK), bf16, 2)
+        tp = sm90_utils.make_smem_layout_b(utils.LayoutEnum.COL_MAJOR, (BV, CHUNK, CHUNK), bf16, 2)
+        facts["pack_tp_is_t64_transposed"] = str(tp.inner) == str(t64s.inner) and all(
+            int(cute.crd2idx((i, j, st), tp.outer)) == int(cute.crd2idx((j, i, st), t64s.outer))
+            for i in range(CHUNK) for j in range(CHUNK) for st in range(2))
+
+        def swizzled(r, c, st):  # S<3,4,3> on byte addresses, in elements
+            lin = int(cute.crd2idx((r, c, st), t64s.outer)) * 2
+            return (lin ^ (((lin >> 7) & 7) << 4)) // 2
+
+        facts["pack_mask_offset_mismatches"] = sum(
+            int(st * CHUNK * CHUNK + r * CHUNK + (p ^ (r % 8)) * 8 + c != swizzled(r, 8 * p + c, st))
+            for r in range(CHUNK) for p in range(8) for c in range(8) for st in range(2))
         # the state buffer: every fragment access of warp 0 (4-byte, value by value), per layout
         c_s = rs_n128.get_slice(0).partition_C(cute.make_identity_tensor((BV, DK)))
         for v_first in (False, True):
