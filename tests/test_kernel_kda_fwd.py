@@ -1078,7 +1078,7 @@ def test_ptx_pack():
     """The packed [Aqk | T'] builds: stage 1 issues one TMA store fewer (Aqk leaves with T'), scatters T' below the
     diagonal into the staging (32 predicated 2-byte shared stores a thread) and stores the diagonal once a row;
     stage 2 issues the same TMA loads as u in stage 2 (the 16 KB box is two 8 KB boxes) and masks the two copies
-    (two more fences and barriers, 12 more 16-byte stores and 8 more loads a thread). No spills."""
+    (two more fences and barriers, 16-byte pieces zeroed or masked). No spills, no local memory."""
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_reports
 
@@ -1094,8 +1094,11 @@ def test_ptx_pack():
     assert p2.count("cp.async.bulk.tensor") == d2.count("cp.async.bulk.tensor")
     assert p2.count("fence.proxy.async") == d2.count("fence.proxy.async") + 2
     assert p2.count("bar.sync") == d2.count("bar.sync") + 2
-    assert p2.count("st.shared.v4") == d2.count("st.shared.v4") + 12
-    assert p2.count("ld.shared.v4") == d2.count("ld.shared.v4") + 8
+    # the masks' 16-byte pieces (zeroed, or the diagonal's read and written as words, which LLVM vectorises); no
+    # local memory (a register array written under run-time conditions went there: stage 2 +55%, session 29)
+    assert p2.count("st.shared.v4") >= d2.count("st.shared.v4") + 12
+    assert p2.count("ld.shared.v4") >= d2.count("ld.shared.v4") + 8
+    assert ".local" not in p2.ptx and ".local" not in p1.ptx
     assert p2.count("wgmma.mma_async") == d2.count("wgmma.mma_async")
 
 

@@ -1046,38 +1046,42 @@ class KdaFwdRecur:
         """pack: mask stage ``st``'s copy of the packed tile P (``raw``: the tile's unswizzled start; P[r, c] is
         Aqk[r, c] for c <= r and T'[c, r] for c > r). The Aqk copy (``t_copy`` False) keeps c <= r; the T' copy
         keeps c > r and gets T''s diagonal, bf16(β_r), from γ's row. A thread takes four 16-byte pieces (8
-        threads a 128-byte row: conflict-free); whole pieces on the dropped side are zeroed without a read. Then a
-        fence for the async proxy and a barrier of the math threads: the next products read the tile."""
-        bf16 = cutlass.BFloat16
-        zero = cute.make_rmem_tensor(cute.make_layout(8), bf16)
+        threads a 128-byte row: conflict-free); whole pieces on the dropped side are zeroed without a read, the
+        diagonal's piece is masked as four 32-bit words of scalar code (a register array written under a
+        run-time condition went to local memory). Then a fence for the async proxy and a barrier of the math
+        threads: the next products read the tile."""
+        i32 = cutlass.Int32
+        zero = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
         zero.fill(0.0)
-        piece = cute.make_rmem_tensor(cute.make_layout(8), bf16)
+        raw32 = cute.recast_ptr(raw, dtype=i32)
+        gam32 = cute.recast_ptr(gam_bf16, dtype=i32)
         for m in cutlass.range_constexpr(CHUNK * 8 // V2_MATH_THREADS):
             q = tidx + V2_MATH_THREADS * m
             r = q // 8
             p = q % 8
             # the 128-byte swizzle: piece p of row r sits at 16-byte column p ^ (r % 8)
             off = st * (CHUNK * CHUNK) + r * CHUNK + (p ^ (r % 8)) * 8
-            vec = cute.make_tensor(raw + cute.assume(off, divby=8), cute.make_layout(8))
             if 8 * p + 7 < r:  # below the diagonal: Aqk's
                 if cutlass.const_expr(t_copy):
-                    vec.store(zero.load())
+                    cute.make_tensor(raw + cute.assume(off, divby=8), cute.make_layout(8)).store(zero.load())
             elif 8 * p > r:  # above it: T''s
                 if cutlass.const_expr(not t_copy):
-                    vec.store(zero.load())
+                    cute.make_tensor(raw + cute.assume(off, divby=8), cute.make_layout(8)).store(zero.load())
             else:
-                piece.store(vec.load())
-                for c in cutlass.range_constexpr(8):
+                # T' copy: β_r is half (r % 2) of the word r // 2 after γ (little-endian pairs)
+                tail = i32(0)
+                half = i32(0xFFFF) - (r % 2) * i32(0x1FFFF)  # 0x0000FFFF or 0xFFFF0000
+                if cutlass.const_expr(t_copy):
+                    tail = cute.make_tensor(gam32 + (st * GAM_PITCH_PACK + DK + r // 2), cute.make_layout(1))[0]
+                for w in cutlass.range_constexpr(4):
+                    col = 8 * p + 2 * w  # the word's two columns: col (low half), col + 1 (high half)
+                    word = cute.make_tensor(raw32 + (off // 2 + w), cute.make_layout(1))
                     if cutlass.const_expr(t_copy):
-                        if 8 * p + c < r:
-                            piece[c] = bf16(0.0)
-                        if 8 * p + c == r:
-                            piece[c] = cute.make_tensor(gam_bf16 + (st * (2 * GAM_PITCH_PACK) + 2 * DK + r),
-                                                        cute.make_layout(1))[0]
+                        keep = i32(col > r) * i32(0xFFFF) + i32(col + 1 > r) * i32(-0x10000)
+                        word[0] = (word[0] & keep) | ((tail & half) * i32(col == r - r % 2))
                     else:
-                        if 8 * p + c > r:
-                            piece[c] = bf16(0.0)
-                vec.store(piece.load())
+                        keep = i32(col <= r) * i32(0xFFFF) + i32(col + 1 <= r) * i32(-0x10000)
+                        word[0] = word[0] & keep
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.barrier(barrier_id=PACK_BARRIER, number_of_threads=V2_MATH_THREADS)
 
