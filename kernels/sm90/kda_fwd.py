@@ -65,7 +65,7 @@ LOG_GATE_OPT_IN = "kda_fwd_loggate"
 U_IN_RECUR = __import__("os").environ.get("CULA_KDA_U_IN_RECUR", "1") == "1"
 #: Packed [Aqk | T'] (session 29, with U_IN_RECUR; opt-in until its GPU run): stage 1 stores one [64, 64] tile a
 #: chunk, Aqk on and below the diagonal and T' transposed above it, and T''s diagonal after γ in γ's row
-#: (recur.GAM_PITCH_PACK floats); stage 2 loads the tile twice and masks each copy. 8 KB fewer a chunk and value
+#: (recur.GAM_PITCH_PACK floats); stage 2 loads the tile twice and its TMA warp masks each copy. 8 KB fewer a chunk and value
 #: head written by stage 1 and read by stage 2 (of ~112 and ~96 KB). Not with the clock diagnostic (its slots
 #: follow γ's unpacked rows). ``CULA_KDA_PACK=1``.
 PACK = __import__("os").environ.get("CULA_KDA_PACK", "0") == "1"

@@ -1175,10 +1175,12 @@ class KdaFwdIntraTC:
             obf.store(tv.load().to(BF16))
             _st8(tb_layout, tb_raw, (ti, j0, 0), obf)
             if cutlass.const_expr(self.pack):
-                # T' below the diagonal into the Aqk staging, transposed (its Aqk half is zero there)
+                # T' below the diagonal into the Aqk staging, transposed (its Aqk half is zero there): element
+                # (j, ti) of the 128-byte-swizzled staging is at j*64 + ((ti/8) ^ (j%8))*8 + ti%8, and j % 8 is c
+                # here (j0 is a multiple of 8: layout_facts "aqk_staging_offsets")
                 for c in cutlass.range_constexpr(8):
                     if j0 + c < ti:
-                        off = _swizzled_offset(aqk_layout, (j0 + c, ti, 0))
+                        off = (j0 + c) * CHUNK + (((ti >> 3) ^ c) << 3) + (ti & 7)
                         cute.make_tensor(aqk_raw + off, cute.make_layout(1))[0] = obf[c]
             if cutlass.const_expr(self.emit_akk):
                 for c in cutlass.range_constexpr(8):
@@ -1865,6 +1867,16 @@ def layout_facts() -> dict:
         # t_out stores T' from its operand tile through the Aqk store's TMA atom
         facts["tb_is_aqk_staging"] = str(sm90_utils.make_smem_layout_a(kmaj, (CHUNK, DV, CHUNK), BF16, 1)) == str(
             sm90_utils.make_smem_layout_b(kmaj, (CHUNK, CHUNK, CHUNK), BF16, 1))
+        aqk_l = sm90_utils.make_smem_layout_b(kmaj, (CHUNK, CHUNK, CHUNK), BF16, 1)
+
+        def swz_aqk(j, i):  # _swizzled_offset on the Aqk staging, in plain Python
+            lin = int(cute.crd2idx((j, i, 0), aqk_l.outer)) * 2
+            return (lin ^ (((lin >> 7) & 7) << 4)) // 2
+
+        # pack: the T' scatter's offsets (element (j, i) of the staging, j = 8 k + c)
+        facts["aqk_staging_offsets"] = all(
+            swz_aqk(j, i) == j * CHUNK + (((i >> 3) ^ (j % 8)) << 3) + (i & 7)
+            for j in range(CHUNK) for i in range(CHUNK))
         for name, lay in (("a", a_l), ("x", x_l), ("w", w_l),
                           ("tb", sm90_utils.make_smem_layout_a(kmaj, (CHUNK, DV, CHUNK), BF16, 1)),
                           ("aqk", sm90_utils.make_smem_layout_b(kmaj, (CHUNK, CHUNK, CHUNK), BF16, 1))):

@@ -107,7 +107,6 @@ STATE_BUF = max(DK * STATE_PITCH_KF, BV * STATE_PITCH_VF)  # fp32 elements (34,8
 STATE_PIECES = BV * DK // 4 // V2_MATH_THREADS  # 16-byte pieces of a state tile per math thread (16)
 STATE_BARRIER = 1  # named barrier of the 128 math threads (0 is the CTA's)
 V_ZERO_BARRIER = 2  # t_in: the math threads' zeroing of a partial chunk's v rows is done
-PACK_BARRIER = 3  # pack: the math threads' masking of a stage's Aqk or T' copy is done
 #: pack (session 29): γ's row in floats, γ's DK then T''s diagonal as 64 bf16 (stage 1 writes both)
 GAM_PITCH_PACK = DK + CHUNK // 2
 
@@ -185,10 +184,13 @@ class KdaFwdRecur:
         self.t_in = t_in
         # packed [Aqk | T'] (kda_fwd.PACK; stage 1 built with pack): one [64, 64] tile a chunk, Aqk on and below
         # the diagonal, T' transposed above it, T''s diagonal after γ. It is loaded twice, into the Aqk tile (read
-        # K-major, as unpacked) and into a T' tile read MN-major (B = the tile's transpose), and the math threads
-        # zero each copy's other half (and set T''s diagonal) before the products that read it.
+        # K-major, as unpacked) and into a T' tile read MN-major (B = the tile's transpose); the TMA warp zeroes
+        # each copy's other half (and sets T''s diagonal) a chunk after issuing it (mask_stage), and the math
+        # warps wait for that on the stage's masked barrier.
         if pack and not t_in:
             raise ValueError("pack (CULA_KDA_PACK): needs t_in (u in stage 2), got t_in=False")
+        if pack and self.stages < 2:  # the TMA warp masks a stage after issuing the next one
+            raise ValueError(f"pack (CULA_KDA_PACK): needs 2 or more stages (CULA_KDA_RECUR_STAGES), got {self.stages}")
         self.pack = pack
         self.gam_pitch = GAM_PITCH_PACK if pack else DK
         self.o_pitch = V2_O_PITCH_COMPACT if t_in else V2_O_PITCH
@@ -646,7 +648,7 @@ class KdaFwdRecur:
 
         mem, align = cute.struct.MemRange, cute.struct.Align
         members = {  # (built as a dict: this module's annotations are strings, which cute.struct does not read)
-            "bars": mem[cutlass.Int64, self.stages * 2],
+            "bars": mem[cutlass.Int64, self.stages * (3 if self.pack else 2)],  # pack: each stage's "masked" too
             "sW": align[mem[bf16, cute.cosize(self.w2_layout)], 1024],
             "sQG": align[mem[bf16, cute.cosize(self.w2_layout)], 1024],
             "sAqk": align[mem[bf16, cute.cosize(self.aqk2_layout)], 1024],
@@ -719,6 +721,16 @@ class KdaFwdRecur:
             tx_count=self.tx_bytes_v2,
             defer_sync=True,
         )
+        masked_bars = None
+        full_bars = storage.bars.data_ptr()  # the pipeline's full barriers come first
+        if cutlass.const_expr(self.pack):
+            # one barrier a stage, after the pipeline's full and empty ones: the TMA warp has masked the stage's
+            # two copies of the packed tile (one arrival, its lane 0's, a phase)
+            masked_bars = storage.bars.data_ptr() + 2 * self.stages
+            if tidx == 0:
+                for s in cutlass.range_constexpr(self.stages):
+                    cute.arch.mbarrier_init(masked_bars + s, 1)
+                cute.arch.mbarrier_init_fence()
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()  # the CTA's only full barrier: the mbarriers are initialised
         sW = storage.sW.get_tensor(w_layout.outer, swizzle=w_layout.inner)
@@ -753,6 +765,8 @@ class KdaFwdRecur:
             one = cute.make_layout(1)
             part = cute.nvgpu.cpasync.tma_partition
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            prev_st = cutlass.Int32(-1)  # pack: the stage issued last and not yet masked, and its fill's phase
+            prev_par = cutlass.Int32(0)
             for item in cutlass.range(cta, n_items, n_ctas, unroll=1):
                 vtile, hv, seq = _item_coords(item, dims)
                 c_first = mSeq[seq, 0]
@@ -799,7 +813,18 @@ class KdaFwdRecur:
                     if cutlass.const_expr(self.pack):
                         cute.copy(tma_tp, tPg[None, c], tPs[None, st], tma_bar_ptr=bar)
                     pipe.producer_commit(prod)
+                    if cutlass.const_expr(self.pack):
+                        # the stage issued before this one (its loads have had a chunk's time to land), masked
+                        # now: the math warps need it about two chunks from here
+                        if prev_st >= 0:
+                            self.mask_stage(aqk_raw, tp_raw, gam_bf16, full_bars, masked_bars, prev_st, prev_par,
+                                            tidx % 32)
+                        prev_st = st
+                        prev_par = prod.phase ^ 1  # the full barrier's phase for this fill (the producer's is flipped)
                     prod.advance()
+            if cutlass.const_expr(self.pack):
+                if prev_st >= 0:  # the CTA's last chunk
+                    self.mask_stage(aqk_raw, tp_raw, gam_bf16, full_bars, masked_bars, prev_st, prev_par, tidx % 32)
         else:
             # ============ math warpgroup
             thr64 = mma_n64.get_slice(tidx)
@@ -866,8 +891,8 @@ class KdaFwdRecur:
                     # group 1: Sᵀ wᵀ, the head of the chain through the chunk (t_in: after vᵀ T'ᵀ, into the same
                     # accumulator, so it is v_newᵀ itself); group 2: oᵀ = Sᵀ qgᵀ, off the chain, keeps the tensor
                     # pipe busy while v_new is formed
-                    if cutlass.const_expr(self.pack):  # T''s copy masked before vᵀ T'ᵀ reads it
-                        self.mask_packed(tp_raw, gam_bf16, st, tidx, True)
+                    if cutlass.const_expr(self.pack):  # the TMA warp has masked the stage's two copies
+                        cute.arch.mbarrier_wait(masked_bars + st, cons.phase)
                     if cutlass.const_expr(self.t_in):
                         self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, st, seq_end - (bos + ci * CHUNK), tidx)
                     warpgroup.fence()
@@ -887,8 +912,6 @@ class KdaFwdRecur:
                         self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, warp_idx, tidx, bos, seq_end, ci - 1)
                     if cutlass.const_expr(not self.t_in):
                         cute.copy(u_copy, thr64.partition_C(sU_vt[None, None, st]), rU)
-                    if cutlass.const_expr(self.pack):  # Aqk's copy masked while groups 1-2 run (group 4 reads it)
-                        self.mask_packed(aqk_raw, gam_bf16, st, tidx, False)
                     warpgroup.wait_group(1)  # group 1 done
 
                     # v_newᵀ and Sᵀ diag(γ) (after the wait for the same reason as o)
@@ -1042,48 +1065,47 @@ class KdaFwdRecur:
         warpgroup.commit_group()
 
     @cute.jit
-    def mask_packed(self, raw: cute.Pointer, gam_bf16: cute.Pointer, st, tidx, t_copy: cutlass.Constexpr):
-        """pack: mask stage ``st``'s copy of the packed tile P (``raw``: the tile's unswizzled start; P[r, c] is
-        Aqk[r, c] for c <= r and T'[c, r] for c > r). The Aqk copy (``t_copy`` False) keeps c <= r; the T' copy
-        keeps c > r and gets T''s diagonal, bf16(β_r), from γ's row. A thread takes four 16-byte pieces (8
-        threads a 128-byte row: conflict-free); whole pieces on the dropped side are zeroed without a read, the
-        diagonal's piece is masked as four 32-bit words of scalar code (a register array written under a
-        run-time condition went to local memory). Then a fence for the async proxy and a barrier of the math
-        threads: the next products read the tile."""
+    def mask_stage(self, aqk_raw: cute.Pointer, tp_raw: cute.Pointer, gam_bf16: cute.Pointer, full_bars: cute.Pointer,
+                   masked_bars: cute.Pointer, st, parity, lane):
+        """pack, by the TMA warp: once stage ``st``'s loads have landed (its full barrier's ``parity``), mask its two
+        copies of the packed tile P (P[r, c] is Aqk[r, c] for c <= r and T'[c, r] for c > r; ``aqk_raw``,
+        ``tp_raw``: the tiles' unswizzled starts): the Aqk copy keeps c <= r, the T' copy c > r plus T''s diagonal,
+        bf16(β_r), from γ's row; then a fence for the async proxy and an arrival on the stage's masked barrier.
+        A lane takes 16 of the 512 16-byte pieces (8 lanes a 128-byte row: conflict-free); a piece wholly on one
+        side is zeroed in the other copy without a read, the diagonal's is masked as 32-bit words of scalar code
+        (a register array written under run-time conditions went to local memory)."""
         i32 = cutlass.Int32
+        cute.arch.mbarrier_wait(full_bars + st, parity)
         zero = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
         zero.fill(0.0)
-        raw32 = cute.recast_ptr(raw, dtype=i32)
         gam32 = cute.recast_ptr(gam_bf16, dtype=i32)
-        for m in cutlass.range_constexpr(CHUNK * 8 // V2_MATH_THREADS):
-            q = tidx + V2_MATH_THREADS * m
+        for m in cutlass.range_constexpr(CHUNK * 8 // 32):
+            q = lane + 32 * m
             r = q // 8
             p = q % 8
             # the 128-byte swizzle: piece p of row r sits at 16-byte column p ^ (r % 8)
             off = st * (CHUNK * CHUNK) + r * CHUNK + (p ^ (r % 8)) * 8
-            if 8 * p + 7 < r:  # below the diagonal: Aqk's
-                if cutlass.const_expr(t_copy):
-                    cute.make_tensor(raw + cute.assume(off, divby=8), cute.make_layout(8)).store(zero.load())
-            elif 8 * p > r:  # above it: T''s
-                if cutlass.const_expr(not t_copy):
-                    cute.make_tensor(raw + cute.assume(off, divby=8), cute.make_layout(8)).store(zero.load())
+            if 8 * p + 7 < r:  # below the diagonal: Aqk's, so not T''s
+                cute.make_tensor(tp_raw + cute.assume(off, divby=8), cute.make_layout(8)).store(zero.load())
+            elif 8 * p > r:  # above it: T''s, so not Aqk's
+                cute.make_tensor(aqk_raw + cute.assume(off, divby=8), cute.make_layout(8)).store(zero.load())
             else:
-                # T' copy: β_r is half (r % 2) of the word r // 2 after γ (little-endian pairs)
-                tail = i32(0)
+                # β_r is half (r % 2) of the word r // 2 after γ (little-endian pairs)
+                tail = cute.make_tensor(gam32 + (st * GAM_PITCH_PACK + DK + r // 2), cute.make_layout(1))[0]
                 half = i32(0xFFFF) - (r % 2) * i32(0x1FFFF)  # 0x0000FFFF or 0xFFFF0000
-                if cutlass.const_expr(t_copy):
-                    tail = cute.make_tensor(gam32 + (st * GAM_PITCH_PACK + DK + r // 2), cute.make_layout(1))[0]
+                a32 = cute.recast_ptr(aqk_raw, dtype=i32) + (off // 2)
+                t32 = cute.recast_ptr(tp_raw, dtype=i32) + (off // 2)
                 for w in cutlass.range_constexpr(4):
                     col = 8 * p + 2 * w  # the word's two columns: col (low half), col + 1 (high half)
-                    word = cute.make_tensor(raw32 + (off // 2 + w), cute.make_layout(1))
-                    if cutlass.const_expr(t_copy):
-                        keep = i32(col > r) * i32(0xFFFF) + i32(col + 1 > r) * i32(-0x10000)
-                        word[0] = (word[0] & keep) | ((tail & half) * i32(col == r - r % 2))
-                    else:
-                        keep = i32(col <= r) * i32(0xFFFF) + i32(col + 1 <= r) * i32(-0x10000)
-                        word[0] = word[0] & keep
+                    keep_a = i32(col <= r) * i32(0xFFFF) + i32(col + 1 <= r) * i32(-0x10000)
+                    wa = cute.make_tensor(a32 + w, cute.make_layout(1))
+                    wt = cute.make_tensor(t32 + w, cute.make_layout(1))
+                    wa[0] = wa[0] & keep_a
+                    wt[0] = (wt[0] & ~keep_a) | (tail & half) * i32(col == r - r % 2)  # T': c > r, and β_r
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-        cute.arch.barrier(barrier_id=PACK_BARRIER, number_of_threads=V2_MATH_THREADS)
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.mbarrier_arrive(masked_bars + st)
 
     @cute.jit
     def zero_v_rows(self, u_raw: cute.Pointer, st, nvalid, tidx):
