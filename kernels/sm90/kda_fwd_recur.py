@@ -107,6 +107,7 @@ STATE_BUF = max(DK * STATE_PITCH_KF, BV * STATE_PITCH_VF)  # fp32 elements (34,8
 STATE_PIECES = BV * DK // 4 // V2_MATH_THREADS  # 16-byte pieces of a state tile per math thread (16)
 STATE_BARRIER = 1  # named barrier of the 128 math threads (0 is the CTA's)
 V_ZERO_BARRIER = 2  # t_in: the math threads' zeroing of a partial chunk's v rows is done
+PACK_BARRIER = 3  # pack: the math threads' masking of a stage's two copies of the packed tile is done
 #: pack (session 29): γ's row in floats, γ's DK then T''s diagonal as 64 bf16 (stage 1 writes both)
 GAM_PITCH_PACK = DK + CHUNK // 2
 
@@ -184,13 +185,11 @@ class KdaFwdRecur:
         self.t_in = t_in
         # packed [Aqk | T'] (kda_fwd.PACK; stage 1 built with pack): one [64, 64] tile a chunk, Aqk on and below
         # the diagonal, T' transposed above it, T''s diagonal after γ. It is loaded twice, into the Aqk tile (read
-        # K-major, as unpacked) and into a T' tile read MN-major (B = the tile's transpose); the TMA warp zeroes
-        # each copy's other half (and sets T''s diagonal) a chunk after issuing it (mask_stage), and the math
-        # warps wait for that on the stage's masked barrier.
+        # K-major, as unpacked) and into a T' tile read MN-major (B = the tile's transpose); the math warps zero
+        # each copy's other half (and set T''s diagonal) for the next chunk while this chunk's last products run
+        # (mask_packed; an item's first chunk at its start).
         if pack and not t_in:
             raise ValueError("pack (CULA_KDA_PACK): needs t_in (u in stage 2), got t_in=False")
-        if pack and self.stages < 2:  # the TMA warp masks a stage after issuing the next one
-            raise ValueError(f"pack (CULA_KDA_PACK): needs 2 or more stages (CULA_KDA_RECUR_STAGES), got {self.stages}")
         self.pack = pack
         self.gam_pitch = GAM_PITCH_PACK if pack else DK
         self.o_pitch = V2_O_PITCH_COMPACT if t_in else V2_O_PITCH
@@ -648,7 +647,7 @@ class KdaFwdRecur:
 
         mem, align = cute.struct.MemRange, cute.struct.Align
         members = {  # (built as a dict: this module's annotations are strings, which cute.struct does not read)
-            "bars": mem[cutlass.Int64, self.stages * (3 if self.pack else 2)],  # pack: each stage's "masked" too
+            "bars": mem[cutlass.Int64, self.stages * 2],
             "sW": align[mem[bf16, cute.cosize(self.w2_layout)], 1024],
             "sQG": align[mem[bf16, cute.cosize(self.w2_layout)], 1024],
             "sAqk": align[mem[bf16, cute.cosize(self.aqk2_layout)], 1024],
@@ -721,16 +720,7 @@ class KdaFwdRecur:
             tx_count=self.tx_bytes_v2,
             defer_sync=True,
         )
-        masked_bars = None
-        full_bars = storage.bars.data_ptr()  # the pipeline's full barriers come first
-        if cutlass.const_expr(self.pack):
-            # one barrier a stage, after the pipeline's full and empty ones: the TMA warp has masked the stage's
-            # two copies of the packed tile (one arrival, its lane 0's, a phase)
-            masked_bars = storage.bars.data_ptr() + 2 * self.stages
-            if tidx == 0:
-                for s in cutlass.range_constexpr(self.stages):
-                    cute.arch.mbarrier_init(masked_bars + s, 1)
-                cute.arch.mbarrier_init_fence()
+        full_bars = storage.bars.data_ptr()  # the pipeline's full barriers come first (pack waits on the next one)
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()  # the CTA's only full barrier: the mbarriers are initialised
         sW = storage.sW.get_tensor(w_layout.outer, swizzle=w_layout.inner)
@@ -765,8 +755,6 @@ class KdaFwdRecur:
             one = cute.make_layout(1)
             part = cute.nvgpu.cpasync.tma_partition
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-            prev_st = cutlass.Int32(-1)  # pack: the stage issued last and not yet masked, and its fill's phase
-            prev_par = cutlass.Int32(0)
             for item in cutlass.range(cta, n_items, n_ctas, unroll=1):
                 vtile, hv, seq = _item_coords(item, dims)
                 c_first = mSeq[seq, 0]
@@ -813,18 +801,7 @@ class KdaFwdRecur:
                     if cutlass.const_expr(self.pack):
                         cute.copy(tma_tp, tPg[None, c], tPs[None, st], tma_bar_ptr=bar)
                     pipe.producer_commit(prod)
-                    if cutlass.const_expr(self.pack):
-                        # the stage issued before this one (its loads have had a chunk's time to land), masked
-                        # now: the math warps need it about two chunks from here
-                        if prev_st >= 0:
-                            self.mask_stage(aqk_raw, tp_raw, gam_bf16, full_bars, masked_bars, prev_st, prev_par,
-                                            tidx % 32)
-                        prev_st = st
-                        prev_par = prod.phase ^ 1  # the full barrier's phase for this fill (the producer's is flipped)
                     prod.advance()
-            if cutlass.const_expr(self.pack):
-                if prev_st >= 0:  # the CTA's last chunk
-                    self.mask_stage(aqk_raw, tp_raw, gam_bf16, full_bars, masked_bars, prev_st, prev_par, tidx % 32)
         else:
             # ============ math warpgroup
             thr64 = mma_n64.get_slice(tidx)
@@ -891,8 +868,9 @@ class KdaFwdRecur:
                     # group 1: Sᵀ wᵀ, the head of the chain through the chunk (t_in: after vᵀ T'ᵀ, into the same
                     # accumulator, so it is v_newᵀ itself); group 2: oᵀ = Sᵀ qgᵀ, off the chain, keeps the tensor
                     # pipe busy while v_new is formed
-                    if cutlass.const_expr(self.pack):  # the TMA warp has masked the stage's two copies
-                        cute.arch.mbarrier_wait(masked_bars + st, cons.phase)
+                    if cutlass.const_expr(self.pack):  # an item's first chunk: its copies masked now (on the chain)
+                        if ci == 0:
+                            self.mask_packed(aqk_raw, tp_raw, gam_bf16, st, tidx)
                     if cutlass.const_expr(self.t_in):
                         self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, st, seq_end - (bos + ci * CHUNK), tidx)
                     warpgroup.fence()
@@ -932,6 +910,13 @@ class KdaFwdRecur:
                     for kb in cutlass.range_constexpr(cute.size(rV, mode=[2])):
                         cute.gemm(mma_n64, acc_ot, rV[None, None, kb], rB_aqk[None, None, kb, st], acc_ot)
                     warpgroup.commit_group()
+                    if cutlass.const_expr(self.pack):
+                        # while groups 3-4 run: the next chunk's stage, once landed, masked (off the chain)
+                        nxt = (st + 1) % self.stages
+                        nxt_phase = cons.phase ^ cutlass.Int32(st == self.stages - 1)
+                        if ci + 1 < n_chunks:
+                            cute.arch.mbarrier_wait(full_bars + nxt, nxt_phase)
+                            self.mask_packed(aqk_raw, tp_raw, gam_bf16, nxt, tidx)
                     warpgroup.wait_group(0)
                     pipe.consumer_release(cons)
                     cons.advance()
@@ -1065,22 +1050,20 @@ class KdaFwdRecur:
         warpgroup.commit_group()
 
     @cute.jit
-    def mask_stage(self, aqk_raw: cute.Pointer, tp_raw: cute.Pointer, gam_bf16: cute.Pointer, full_bars: cute.Pointer,
-                   masked_bars: cute.Pointer, st, parity, lane):
-        """pack, by the TMA warp: once stage ``st``'s loads have landed (its full barrier's ``parity``), mask its two
-        copies of the packed tile P (P[r, c] is Aqk[r, c] for c <= r and T'[c, r] for c > r; ``aqk_raw``,
-        ``tp_raw``: the tiles' unswizzled starts): the Aqk copy keeps c <= r, the T' copy c > r plus T''s diagonal,
-        bf16(β_r), from γ's row; then a fence for the async proxy and an arrival on the stage's masked barrier.
-        A lane takes 16 of the 512 16-byte pieces (8 lanes a 128-byte row: conflict-free); a piece wholly on one
-        side is zeroed in the other copy without a read, the diagonal's is masked as 32-bit words of scalar code
-        (a register array written under run-time conditions went to local memory)."""
+    def mask_packed(self, aqk_raw: cute.Pointer, tp_raw: cute.Pointer, gam_bf16: cute.Pointer, st, tidx):
+        """pack, by the math threads: mask stage ``st``'s two copies of the packed tile P (P[r, c] is Aqk[r, c] for
+        c <= r and T'[c, r] for c > r; ``aqk_raw``, ``tp_raw``: the tiles' unswizzled starts): the Aqk copy keeps
+        c <= r, the T' copy c > r plus T''s diagonal, bf16(β_r), from γ's row. A thread takes four of the 512
+        16-byte pieces (8 threads a 128-byte row: conflict-free); a piece wholly on one side is zeroed in the other
+        copy without a read, the diagonal's is masked as 32-bit words of scalar code (a register array written
+        under run-time conditions went to local memory). Then a fence for the async proxy and a barrier of the
+        math threads: the next products read the tiles."""
         i32 = cutlass.Int32
-        cute.arch.mbarrier_wait(full_bars + st, parity)
         zero = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
         zero.fill(0.0)
         gam32 = cute.recast_ptr(gam_bf16, dtype=i32)
-        for m in cutlass.range_constexpr(CHUNK * 8 // 32):
-            q = lane + 32 * m
+        for m in cutlass.range_constexpr(CHUNK * 8 // V2_MATH_THREADS):
+            q = tidx + V2_MATH_THREADS * m
             r = q // 8
             p = q % 8
             # the 128-byte swizzle: piece p of row r sits at 16-byte column p ^ (r % 8)
@@ -1103,9 +1086,7 @@ class KdaFwdRecur:
                     wa[0] = wa[0] & keep_a
                     wt[0] = (wt[0] & ~keep_a) | (tail & half) * i32(col == r - r % 2)  # T': c > r, and β_r
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-        cute.arch.sync_warp()
-        if lane == 0:
-            cute.arch.mbarrier_arrive(masked_bars + st)
+        cute.arch.barrier(barrier_id=PACK_BARRIER, number_of_threads=V2_MATH_THREADS)
 
     @cute.jit
     def zero_v_rows(self, u_raw: cute.Pointer, st, nvalid, tidx):
