@@ -150,6 +150,7 @@ def test_pack_sanity_first_then_checks_gpu_test_and_splits(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "pack")
     splits = new_kernel_head(cmds, "CULA_KDA_PACK=1", False, "pack_equals")
     assert len(splits) == 4 and [("CULA_KDA_PACK=1" in c) for c in splits] == [False, True] * 2
+    assert [("CULA_KDA_PACK=0" in c) for c in splits] == [True, False] * 2  # forced off: the default decides by length
 
 
 def test_pack_premise_splits_the_byte_diagnostics_against_the_default_twice(tmp_path):

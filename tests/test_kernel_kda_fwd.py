@@ -816,9 +816,9 @@ def test_gpu_pack_equals_unpacked(name, monkeypatch):
     args, kw = chk._inputs(*case, dev=dev)
     monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
     for state in (kw, {**kw, "initial_state": None, "output_final_state": False}):
-        monkeypatch.setattr(kda_fwd, "PACK", False)
+        monkeypatch.setattr(kda_fwd, "PACK", "0")
         o_ref, ht_ref, scr_ref = kda_fwd.kda_fwd(*args, **state, return_scratch=True)
-        monkeypatch.setattr(kda_fwd, "PACK", True)
+        monkeypatch.setattr(kda_fwd, "PACK", "1")
         for _ in range(2):
             o, ht, scr = kda_fwd.kda_fwd(*args, **state, return_scratch=True)
             torch.cuda.synchronize()
@@ -1051,8 +1051,9 @@ def test_host_path_pack(monkeypatch):
     args, kw = _case(1, 130, 2, 2, None, seed=4, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
                      use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, safe_gate=True)
     args = tuple(x.bfloat16() for x in args)
+    monkeypatch.setattr(kda_fwd, "PACK", None)  # by length: one sequence of 3 chunks is not packed
     kda_fwd.kda_fwd(*args, **kw)
-    monkeypatch.setattr(kda_fwd, "PACK", True)
+    monkeypatch.setattr(kda_fwd, "PACK", "1")
     kda_fwd.kda_fwd(*args, **kw)
     (_, k1, _, v1), (_, k2, _, v2), (_, k3, _, v3), (_, k4, _, v4) = calls
     assert "pack" not in dict(k1[0]) and "pack" not in dict(k2[0])
@@ -1073,6 +1074,20 @@ def test_host_path_pack(monkeypatch):
         intra_tc.KdaFwdIntraTC(**flags, pack=True)
     with pytest.raises(ValueError, match="CULA_KDA_PACK"):
         recur.KdaFwdRecur(True, True, False, variant="v2", pack=True)
+
+
+def test_use_pack_by_length_unless_forced(monkeypatch):
+    """By default PACK serves sequences of PACK_MIN_CHUNKS (16) chunks or more on average (the varlen tables' rows
+    bound the chunks: n20 T4096 has at most 84 for 20 sequences, not packed; B2 T16384 512 for 2, packed);
+    CULA_KDA_PACK=1 / 0 forces it on / off."""
+    monkeypatch.setattr(kda_fwd, "PACK", None)
+    assert kda_fwd.PACK_MIN_CHUNKS == 16
+    assert kda_fwd.use_pack(1, 16) and not kda_fwd.use_pack(1, 15)
+    assert not kda_fwd.use_pack(20, 4096 // 64 + 20) and kda_fwd.use_pack(2, 512) and kda_fwd.use_pack(10, 266)
+    monkeypatch.setattr(kda_fwd, "PACK", "0")
+    assert not kda_fwd.use_pack(2, 512)
+    monkeypatch.setattr(kda_fwd, "PACK", "1")
+    assert kda_fwd.use_pack(20, 84)
 
 
 def test_ptx_pack():

@@ -193,8 +193,9 @@ SCENARIOS = {
     "tma_qkg_pf66_split": ("split", {"intra_tc.PHASE1": "tma_qkg", "intra_tc.PREFETCH_AHEAD": 66}),
     # device_round pf_tma: stage 1's L2 prefetch distance (CTAs ahead; 66 the default) now that q, k, g arrive by TMA
     # device_round pack: the packed [Aqk | T'] tile (kda_fwd.PACK) in the check cases, the GPU test's and the splits
-    "pack_checks": ("tc", {"PACK": True}),
-    "pack_split": ("split", {"PACK": True}),
+    "pack_checks": ("tc", {"PACK": "1"}),
+    "pack_split": ("split", {"PACK": "1"}),
+    "unpacked_split": ("split", {"PACK": "0"}),
     # device_round pack_premise: stage 1 without T''s store, stage 2 reading ~8 KB of [Aqk | T'] a chunk instead of
     # 16 (timing only: what packing the two into one 64 x 64 tile would save at most)
     "pack_premise_split": ("split", {"intra_tc.DIAG": ("no_tp_store",), "recur.RECUR_DIAG": ("half_at",)}),

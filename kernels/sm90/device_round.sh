@@ -75,6 +75,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         pf0 | pf33 | pf132) envs="CULA_KDA_TC_PREFETCH=${m#pf}" ;;
         pack_bytes) envs="CULA_KDA_TC_DIAG=no_tp_store CULA_KDA_RECUR_DIAG=half_at" ;;
         pack) envs="CULA_KDA_PACK=1" ;;
+        unpacked) envs="CULA_KDA_PACK=0" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
@@ -323,17 +324,18 @@ for s in $steps; do
     pf_tma)  # session 28: stage 1's L2 prefetch distance now that q, k, g arrive by TMA: the default (66 CTAs ahead
         # then, none since 2e1b3cc) against none, 33 and 132, then the default again (~110 s; AOT pf*_split)
         mode_splits pf_tma default pf0 pf33 pf132 default ;;
-    pack)  # session 29 (CPU-built): Aqk and T' packed into one 64 x 64 tile a chunk (CULA_KDA_PACK=1; 8 KB a chunk
-        # and value head fewer written by stage 1 and read by stage 2): one case first (a hang costs 45 s), the nine
-        # checks (the scratch taken apart against the emulation), the GPU test (bitwise the unpacked path), then
-        # default / pack splits twice (<= 260 s; AOT pack_checks, pack_split)
+    pack)  # session 29: Aqk and T' packed into one 64 x 64 tile a chunk (CULA_KDA_PACK=1; 8 KB a chunk and value
+        # head fewer written by stage 1 and read by stage 2; by default for sequences of 16+ chunks on average): one
+        # case first (a hang costs 45 s), the nine checks (the scratch taken apart against the emulation), the GPU
+        # test (bitwise the unpacked path), then unpacked / packed splits twice (<= 260 s; AOT pack_checks,
+        # unpacked_split, pack_split)
         step pack_sanity 45 env CULA_KDA_PACK=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases tc-T1 || continue
         step pack_check 220 env CULA_KDA_PACK=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases $phase1_cases
         step pack_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k pack_equals
-        mode_splits pack_split default pack default pack ;;
+        mode_splits pack_split unpacked pack unpacked pack ;;
     pack_premise)  # session 29: what packing Aqk and T' into one 64 x 64 tile (8 KB a chunk instead of 16) would
         # save at most, timing only (outputs wrong): stage 1 without T''s store (CULA_KDA_TC_DIAG=no_tp_store) and
         # stage 2 reading ~8 KB of distinct [Aqk | T'] memory a chunk (CULA_KDA_RECUR_DIAG=half_at), against the

@@ -63,12 +63,24 @@ LOG_GATE_OPT_IN = "kda_fwd_loggate"
 #: and --split worst gave B2 T16384 H64 2.705 -> 2.612 ms (stage 1 1.988 -> 1.835), varlen n20 T4096 -3.2 to
 #: -3.9%. ``CULA_KDA_U_IN_RECUR=0`` turns it off for A/B runs.
 U_IN_RECUR = __import__("os").environ.get("CULA_KDA_U_IN_RECUR", "1") == "1"
-#: Packed [Aqk | T'] (session 29, with U_IN_RECUR; opt-in until its GPU run): stage 1 stores one [64, 64] tile a
-#: chunk, Aqk on and below the diagonal and T' transposed above it, and T''s diagonal after γ in γ's row
-#: (recur.GAM_PITCH_PACK floats); stage 2 loads the tile twice and its TMA warp masks each copy. 8 KB fewer a chunk and value
-#: head written by stage 1 and read by stage 2 (of ~112 and ~96 KB). Not with the clock diagnostic (its slots
-#: follow γ's unpacked rows). ``CULA_KDA_PACK=1``.
-PACK = __import__("os").environ.get("CULA_KDA_PACK", "0") == "1"
+#: Packed [Aqk | T'] (session 29, with U_IN_RECUR): stage 1 stores one [64, 64] tile a chunk, Aqk on and below the
+#: diagonal and T' transposed above it, and T''s diagonal after γ in γ's row (recur.GAM_PITCH_PACK floats); stage 2
+#: loads the tile twice and its math threads mask each copy (the next chunk's while the last products run). 8 KB
+#: fewer a chunk and value head written by stage 1 and read by stage 2 (of ~112 and ~96 KB). H100: stage 2 -8%,
+#: both stages -3.5% at B2 T16384, but +0.4 to +3% on the varlen n20 T4096 rows (short items mask their first
+#: chunk on the chain; stage 1's scatter costs 1-2% there), so by default only where sequences average
+#: PACK_MIN_CHUNKS chunks or more (use_pack). Not with the clock diagnostic (its slots follow γ's unpacked rows).
+#: ``CULA_KDA_PACK=1`` / ``=0`` forces it on / off.
+PACK = __import__("os").environ.get("CULA_KDA_PACK")
+PACK_MIN_CHUNKS = 16
+
+
+def use_pack(num_seqs: int, num_chunks: int) -> bool:
+    """Whether kda_fwd packs [Aqk | T'] (with u in stage 2): CULA_KDA_PACK if set, else sequences of at least
+    PACK_MIN_CHUNKS chunks on average (``num_chunks``: the chunk tables' rows, an upper bound for varlen)."""
+    if PACK is not None:
+        return PACK == "1"
+    return num_chunks >= PACK_MIN_CHUNKS * max(num_seqs, 1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -576,7 +588,7 @@ def kda_fwd(
     tc_v2 = kind == "tc" and recur.RECUR_VARIANT == "v2" and not identity_response
     # u in stage 2 (U_IN_RECUR): the Aqk rows get T' beside them, w is stored negated, u is not formed
     u_split = U_IN_RECUR and tc_v2 and not fla_factors
-    pack = PACK and u_split and not _stage1_clock()
+    pack = u_split and use_pack(N, NC) and not _stage1_clock()
     w = torch.empty(HV, R, K, dtype=bf16, device=dev)
     u = None if u_split else torch.empty(HV, R, V, dtype=bf16, device=dev)
     # with fla_factors stage 1 writes bf16(T) right after qg in the same buffer (kda_fwd_intra_tc.emit_akk)
