@@ -395,7 +395,7 @@ class KdaFwdIntraTC:
                  smem=self.launch_smem(SharedStorage.size_in_bytes()), min_blocks_per_mp=CTAS_PER_SM)
 
     def g_by_tma(self, g_dtype) -> bool:
-        """phase1 "tma_qkg" brings a bf16 gate by TMA only: an fp32 one keeps the per-thread loads."""
+        """phase1 "tma_qkg" / "tma_g_first" bring a bf16 gate by TMA only: an fp32 one keeps the per-thread loads."""
         return self.tma_g and g_dtype.width == 16
 
     def prefetch_for(self, g_dtype) -> int:
@@ -453,7 +453,7 @@ class KdaFwdIntraTC:
         tQ,
         tma_k,
         tK,
-        tma_g,  # phase1 tma_qkg, bf16 g: the g load's atom and tensor (None otherwise)
+        tma_g,  # g by TMA (g_by_tma): the g load's atom and tensor (None otherwise)
         tG,
         mma_diag: cute.TiledMma,
         mma_off1: cute.TiledMma,
@@ -640,7 +640,7 @@ class KdaFwdIntraTC:
         tQ,
         tma_k,
         tK,
-        tma_g,  # phase1 tma_qkg, bf16 g: the g load's atom and tensor (None otherwise)
+        tma_g,  # g by TMA (g_by_tma): the g load's atom and tensor (None otherwise)
         tG,
         mma_diag: cute.TiledMma,
         mma_off1: cute.TiledMma,

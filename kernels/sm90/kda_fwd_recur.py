@@ -533,7 +533,7 @@ class KdaFwdRecur:
         self.t64_layout = sm90_utils.make_smem_layout_b(row, (BV, CHUNK, CHUNK), bf16, S)
         self.kgt2_layout = sm90_utils.make_smem_layout_b(row, (BV, DK, CHUNK), bf16, S)  # [128 k, 64 tok]
         gp = self.gam_pitch  # pack: T''s diagonal after γ
-        self.gam_layout = cute.make_layout((gp, 1, S), stride=(1, gp, gp))  # γ [128] fp32 per stage
+        self.gam_layout = cute.make_layout((gp, 1, S), stride=(1, gp, gp))  # γ [128] (| T''s diagonal) per stage
         # t_in: [Aqk | T'] rows in one [64 tok, 128] tile (two t64 tiles back to back: layout_facts), and
         # v [64 tok, 64 v] as the A operand vᵀ (M = v contiguous, i.e. MN-major) of an SS product
         self.aqk2_layout = self.w2_layout if self.t_in and not self.pack else self.t64_layout
@@ -644,7 +644,6 @@ class KdaFwdRecur:
         """v2's shared memory: the stages' tiles, γ, the o staging and the state buffer (a plain method: the jit's
         rewriting of ``if`` would reach into a class body)."""
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
-
         mem, align = cute.struct.MemRange, cute.struct.Align
         members = {  # (built as a dict: this module's annotations are strings, which cute.struct does not read)
             "bars": mem[cutlass.Int64, self.stages * 2],
@@ -865,12 +864,12 @@ class KdaFwdRecur:
                 for ci in cutlass.range(n_chunks, unroll=1):
                     pipe.consumer_wait(cons)
                     st = cons.index
-                    # group 1: Sᵀ wᵀ, the head of the chain through the chunk (t_in: after vᵀ T'ᵀ, into the same
-                    # accumulator, so it is v_newᵀ itself); group 2: oᵀ = Sᵀ qgᵀ, off the chain, keeps the tensor
-                    # pipe busy while v_new is formed
                     if cutlass.const_expr(self.pack):  # an item's first chunk: its copies masked now (on the chain)
                         if ci == 0:
                             self.mask_packed(aqk_raw, tp_raw, gam_bf16, st, tidx)
+                    # group 1: Sᵀ wᵀ, the head of the chain through the chunk (t_in: after vᵀ T'ᵀ, into the same
+                    # accumulator, so it is v_newᵀ itself); group 2: oᵀ = Sᵀ qgᵀ, off the chain, keeps the tensor
+                    # pipe busy while v_new is formed
                     if cutlass.const_expr(self.t_in):
                         self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, st, seq_end - (bos + ci * CHUNK), tidx)
                     warpgroup.fence()
