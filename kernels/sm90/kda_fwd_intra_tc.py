@@ -492,6 +492,25 @@ class KdaFwdIntraTC:
             cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
+    def store_tile64(self, tma_aqk, tAqk: cute.Tensor, s_tile: cute.Tensor, hv, col: cutlass.Constexpr, chunk,
+                     skip: cutlass.Constexpr, scale, warp, lane):
+        """Warp 0 stores the [64, 64] tile ``s_tile`` (the Aqk staging layout) through the Aqk store's TMA atom into
+        column block ``col`` of ``chunk``'s rows (0: Aqk or the packed tile; 1: T' beside Aqk) and commits it.
+        ``skip``: a timing diagnostic's store, issued only under a condition that is false at run time."""
+        one = cute.make_layout(1)
+        if warp == 0:
+            g_t = cute.local_tile(tAqk[None, None, hv], (CHUNK, CHUNK), (None, col))
+            ts_t, tg_t = cpasync.tma_partition(tma_aqk, 0, one, cute.group_modes(s_tile, 0, 2),
+                                               cute.group_modes(g_t, 0, 2))
+            if lane == 0:
+                if cutlass.const_expr(skip):
+                    if scale < F32(0.0):  # never (timing only)
+                        cute.copy(tma_aqk, ts_t[None, 0], tg_t[None, chunk])
+                else:
+                    cute.copy(tma_aqk, ts_t[None, 0], tg_t[None, chunk])
+                cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
     def stamp(self, ts, name: cutlass.Constexpr, tidx):
         """``clock`` diagnostic: the SM's cycle counter as stamp ``name`` (CLOCK_STAMPS). Every thread reads it (no
         branch to split the code around the stamp: it would change how ptxas schedules it); thread 0 stores them."""
@@ -1136,17 +1155,7 @@ class KdaFwdIntraTC:
         self.stamp(ts, "combine", tidx)
         one = cute.make_layout(1)
         if cutlass.const_expr(not self.pack):  # pack: Aqk leaves with T' (after phase 4)
-            if warp == 0:
-                gAqk = cute.local_tile(tAqk[None, None, hv], (CHUNK, CHUNK), (None, 0))
-                tAs, tAg = cpasync.tma_partition(tma_aqk, 0, one, cute.group_modes(sAqk, 0, 2),
-                                                 cute.group_modes(gAqk, 0, 2))
-                if lane == 0:
-                    if cutlass.const_expr("no_aqk_store" in self.diag):
-                        if scale < F32(0.0):  # never (timing only)
-                            cute.copy(tma_aqk, tAs[None, 0], tAg[None, chunk])
-                    else:
-                        cute.copy(tma_aqk, tAs[None, 0], tAg[None, chunk])
-                    cute.arch.cp_async_bulk_commit_group()
+            self.store_tile64(tma_aqk, tAqk, sAqk, hv, 0, chunk, "no_aqk_store" in self.diag, scale, warp, lane)
 
         # ==================================================== phase 4: T = (I + Akk)^-1, fp32 SIMT
         if cutlass.const_expr("no_inverse" in self.diag):
@@ -1198,28 +1207,12 @@ class KdaFwdIntraTC:
         self.stamp(ts, "t_prime", tidx)
         if cutlass.const_expr(self.pack):
             # the packed tile (Aqk, T' transposed above the diagonal) leaves while phase 5 runs
-            if warp == 0:
-                gAqk = cute.local_tile(tAqk[None, None, hv], (CHUNK, CHUNK), (None, 0))
-                tAs, tAg = cpasync.tma_partition(tma_aqk, 0, one, cute.group_modes(sAqk, 0, 2),
-                                                 cute.group_modes(gAqk, 0, 2))
-                if lane == 0:
-                    cute.copy(tma_aqk, tAs[None, 0], tAg[None, chunk])
-                    cute.arch.cp_async_bulk_commit_group()
+            self.store_tile64(tma_aqk, tAqk, sAqk, hv, 0, chunk, False, scale, warp, lane)
         elif cutlass.const_expr(self.t_out):
             # T' leaves for stage 2 (columns 64-127 of the Aqk rows) while phase 5 reads the same tile
             # (the Aqk staging layout is T''s operand layout: kda_fwd_intra_tc.layout_facts)
-            if warp == 0:
-                gTp = cute.local_tile(tAqk[None, None, hv], (CHUNK, CHUNK), (None, 1))
-                sTp = _tile(tb_raw, aqk_layout)
-                tTs, tTg = cpasync.tma_partition(tma_aqk, 0, one, cute.group_modes(sTp, 0, 2),
-                                                 cute.group_modes(gTp, 0, 2))
-                if lane == 0:
-                    if cutlass.const_expr("no_aqk_store" in self.diag or "no_tp_store" in self.diag):
-                        if scale < F32(0.0):  # never (timing only)
-                            cute.copy(tma_aqk, tTs[None, 0], tTg[None, chunk])
-                    else:
-                        cute.copy(tma_aqk, tTs[None, 0], tTg[None, chunk])
-                    cute.arch.cp_async_bulk_commit_group()
+            skip = "no_aqk_store" in self.diag or "no_tp_store" in self.diag
+            self.store_tile64(tma_aqk, tAqk, _tile(tb_raw, aqk_layout), hv, 1, chunk, skip, scale, warp, lane)
 
         # ====================================================== phase 5: w = T' X, u = T' v (wgmma)
         # each result is staged in the tile its B operand came from
