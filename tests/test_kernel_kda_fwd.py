@@ -263,6 +263,56 @@ def test_tc_layout_facts():
     assert {v for k, v in facts.items() if k.startswith("swizzle_")} == {"S<3,4,3>"}
 
 
+def _stmatrix_trans_lines(frags: list, lines: list, mem: dict, n_mat: int) -> None:
+    """PTX ``stmatrix .m8n8.trans`` (b16) for one warp: ``frags[t][k]`` lane t's two values of matrix k, ``lines[l]``
+    lane l's line (an element offset); line b of matrix k gets, at position a, fragment element (a, b): lane
+    4 a + b // 2's value b % 2 of matrix k."""
+    for k in range(n_mat):
+        for b in range(8):
+            for a in range(8):
+                off = lines[8 * k + b] + a
+                assert off not in mem, "written twice"
+                mem[off] = frags[4 * a + b // 2][k][b % 2]
+
+
+def test_pack_tp_store_plan_covers_the_upper_triangle():
+    """pack: store_tp_packed's plan, emulated with the PTX semantics of stmatrix .trans (lanes' lines, fragment
+    rows a = lane / 4, columns 2 (lane % 4) + e): after it and the Aqk store before it, the staging's (r, c) holds
+    T'(c, r) for c > r and Aqk(r, c) for c <= r, each element written once (the offsets are the swizzled ones,
+    layout_facts "aqk_staging_offsets")."""
+    C = 64
+
+    def swz(r, c):
+        return r * C + (((c >> 3) ^ (r % 8)) << 3) + (c & 7)
+
+    mem = {swz(r, c): ("A", r, c) for r in range(C) for c in range(r + 1)}  # the combine's Aqk
+    for w in range(4):
+        blocks = [(w, w, True), (1 + (w + 1) // 2, int(w == 2), False)] + ([(3, w + 1, False)] if w < 2 else [])
+        for bi, bj, diag in blocks:
+            frags = [[[("T", 16 * bi + 8 * (k % 2) + t // 4, 16 * bj + 8 * (k // 2) + (t % 4) * 2 + e)
+                       for e in range(2)] for k in range(4)] for t in range(32)]
+            if diag:
+                lines = [(16 * bj + lrow) * C + (((2 * bi + 1) ^ lrow) << 3) for lrow in range(8)]
+                _stmatrix_trans_lines([[f[1]] for f in frags], lines, mem, 1)
+                for t in range(32):
+                    a, b2 = t // 4, (t % 4) * 2
+                    for k in (0, 3):
+                        for e in range(2):
+                            if a > b2 + e:
+                                i, j = 16 * bi + 8 * (k % 2) + a, 16 * bj + 8 * (k // 2) + b2 + e
+                                off = j * C + (((i >> 3) ^ (j & 7)) << 3) + (i & 7)
+                                assert off not in mem
+                                mem[off] = frags[t][k][e]
+            else:
+                lines = [(16 * bj + 8 * (l // 8 // 2) + l % 8) * C + (((2 * bi + (l // 8) % 2) ^ (l % 8)) << 3)
+                         for l in range(32)]
+                _stmatrix_trans_lines(frags, lines, mem, 4)
+    assert len(mem) == C * C
+    for r in range(C):
+        for c in range(C):
+            assert mem[swz(r, c)] == (("T", c, r) if c > r else ("A", r, c)), (r, c)
+
+
 def test_recur_v2_layout_facts():
     """What v2 relies on, from the DSL's own layouts: the bf16 Sᵀ / v_newᵀ registers are the RS products'
     A operands element for element, each warp's accumulator rows are its 16 v (its o staging tile,
@@ -790,9 +840,12 @@ def test_gpu_tma_phase1_equals_the_one_before_and_ignores_later_sequences(monkey
 
 
 #: The GPU test's cases for PACK: fixed, GVA V-first, varlen with zero-length and partial chunks, a long random
-#: varlen batch with many items per stage-2 CTA, the softplus gate and a log-space gate
+#: varlen batch with many items per stage-2 CTA, the softplus gate, a log-space gate, and short items with
+#: zero-length ones between them (an item's last chunk masks the CTA's next item's first: none after an empty item)
 PACK_CASES = ["tc-T1", "tc-T65-gva-vfirst", "tc-T1000-negeig", "tc-varlen-zero", "tc-softplus-varlen-zero",
-              "tc-loggate-safe-varlen", "big-varlen"]
+              "tc-loggate-safe-varlen", "big-varlen", "short-zero-varlen"]
+#: 60 sequences of 0-200 tokens, a third of them empty: ~15 items per stage-2 CTA at 16 heads
+SHORT_ZERO_LENGTHS = [0, 1, 64, 0, 0, 65, 200, 0, 3, 128, 0, 63] * 5
 
 
 @pytest.mark.gpu
@@ -811,6 +864,11 @@ def test_gpu_pack_equals_unpacked(name, monkeypatch):
 
         cu = cu_seqlens_from_lengths(varlen_lengths("random", 20, 8192))
         case = (name, 1, 8192, 16, 16, cu, dict(chk._TC, lower_bound=-5.0))
+    elif name == "short-zero-varlen":
+        from cula.suites.lengths import cu_seqlens_from_lengths
+
+        cu = cu_seqlens_from_lengths(SHORT_ZERO_LENGTHS)
+        case = (name, 1, sum(SHORT_ZERO_LENGTHS), 16, 16, cu, dict(chk._TC, lower_bound=-5.0))
     else:
         case = next(c for c in chk.CASES if c[0] == name)
     args, kw = chk._inputs(*case, dev=dev)
@@ -1091,10 +1149,11 @@ def test_use_pack_by_length_unless_forced(monkeypatch):
 
 
 def test_ptx_pack():
-    """The packed [Aqk | T'] builds: stage 1 issues one TMA store fewer (Aqk leaves with T'), scatters T' below the
-    diagonal into the staging (32 predicated 2-byte shared stores a thread) and stores the diagonal once a row;
+    """The packed [Aqk | T'] builds: stage 1 issues one TMA store fewer (Aqk leaves with T'), stores T' below the
+    diagonal into the staging transposed (two stmatrix .x4.trans and one .x1.trans in the code, and 4 predicated
+    2-byte shared stores a thread: the diagonal 8 x 8s) and stores the diagonal once a row;
     stage 2 issues the same TMA loads as u in stage 2 (the 16 KB box is two 8 KB boxes) and its math threads mask
-    the two copies (16-byte pieces zeroed or masked, a fence, a named barrier; the code twice: for an item's first
+    the two copies (16-byte pieces zeroed or masked, a fence, a named barrier; the code twice: for the CTA's first
     chunk, and for the next chunk, after waiting for its loads, while the last products run). No spills, no local
     memory."""
     pytest.importorskip("cutlass")
@@ -1107,7 +1166,9 @@ def test_ptx_pack():
     assert p1.spill_bytes == 0 and p2.spill_bytes == 0
     assert ".local" not in p2.ptx and ".local" not in p1.ptx  # (a first mask went there: stage 2 +55%, session 29)
     assert p1.count("cp.async.bulk.tensor") == d1.count("cp.async.bulk.tensor") - 1
-    assert p1.count("st.shared.b16") == d1.count("st.shared.b16") + 32
+    assert p1.count("st.shared.b16") == d1.count("st.shared.b16") + 4
+    assert p1.count("stmatrix.sync.aligned.m8n8.x4.trans") == 2 and p1.count("m8n8.x1.trans") == 1
+    assert ".trans" not in d1.ptx
     assert p1.count("st.global.b16") == d1.count("st.global.b16") + 1
     assert p1.count("wgmma.mma_async") == d1.count("wgmma.mma_async")
     assert p2.count("cp.async.bulk.tensor") == d2.count("cp.async.bulk.tensor")

@@ -54,6 +54,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
 from cula.kernels.common.sm_clock import clock64, smid
+from cula.kernels.common.stmatrix import stmatrix_x1_trans, stmatrix_x4_trans
 from cula.kernels.common.wgmma_frag import a_operand_layout
 from cula.kernels.sm90.kda_fwd_clock import STAMP_NAMES as CLOCK_STAMPS
 from cula.kernels.sm90.kda_fwd_recur import GAM_PITCH_PACK
@@ -1183,14 +1184,6 @@ class KdaFwdIntraTC:
                     tv[c] = F32(0.0)
             obf.store(tv.load().to(BF16))
             _st8(tb_layout, tb_raw, (ti, j0, 0), obf)
-            if cutlass.const_expr(self.pack):
-                # T' below the diagonal into the Aqk staging, transposed (its Aqk half is zero there): element
-                # (j, ti) of the 128-byte-swizzled staging is at j*64 + ((ti/8) ^ (j%8))*8 + ti%8, and j % 8 is c
-                # here (j0 is a multiple of 8: layout_facts "aqk_staging_offsets")
-                for c in cutlass.range_constexpr(8):
-                    if j0 + c < ti:
-                        off = (j0 + c) * CHUNK + (((ti >> 3) ^ c) << 3) + (ti & 7)
-                        cute.make_tensor(aqk_raw + off, cute.make_layout(1))[0] = obf[c]
             if cutlass.const_expr(self.emit_akk):
                 for c in cutlass.range_constexpr(8):
                     tv[c] = t8[c // 4, c % 4]
@@ -1199,6 +1192,7 @@ class KdaFwdIntraTC:
                 obf.store(tv.load().to(BF16))
                 cute.autovec_copy(obf, _vec(pQG + HV * R * DK, (hv * R + row0 + ti) * CHUNK + j0, 8))
         if cutlass.const_expr(self.pack):
+            self.store_tp_packed(sT, sBeta, aqk_raw, warp, lane)
             if tidx % tpr == 0:  # T''s diagonal (formed as above: T_ii β_i), after γ in γ's row
                 p_diag = cute.recast_ptr(pGam, dtype=BF16) + ((hv * NC + chunk) * GAM_PITCH_PACK + DK) * 2
                 _vec(p_diag, ti, 1)[0] = (sT[ti, ti] * sBeta[ti]).to(BF16)
@@ -1269,6 +1263,61 @@ class KdaFwdIntraTC:
                 ts[CLOCK_SLOTS - 1] = smid().to(cutlass.Int64)
                 base = cute.recast_ptr(pGam, dtype=cutlass.Int64) + (HV * NC * DK) // 2
                 cute.autovec_copy(ts, _vec(base, (hv * NC + chunk) * CLOCK_SLOTS, CLOCK_SLOTS))
+
+    @cute.jit
+    def store_tp_packed(self, sT: cute.Tensor, sBeta: cute.Tensor, aqk_raw: cute.Pointer, warp, lane):
+        """pack: T' = T diag(β) below its diagonal into the Aqk staging (``aqk_raw``: its unswizzled start),
+        transposed: P[j, i] = T'[i, j] for i > j, where Aqk's half of the tile is zero. Of T''s 16 x 16 blocks
+        (I, J), I >= J, warp w takes the diagonal one (w, w) and one or two of the six below it."""
+        self.tp_block_packed(sT, sBeta, aqk_raw, warp, warp, lane, True)
+        # (1, 0), (2, 0), (2, 1), (3, 0) for warps 0-3, then (3, 1), (3, 2) for warps 0-1
+        self.tp_block_packed(sT, sBeta, aqk_raw, 1 + (warp + 1) // 2, cutlass.Int32(warp == 2), lane, False)
+        if warp < 2:
+            self.tp_block_packed(sT, sBeta, aqk_raw, cutlass.Int32(3), warp + 1, lane, False)
+
+    @cute.jit
+    def tp_block_packed(self, sT: cute.Tensor, sBeta: cute.Tensor, aqk_raw: cute.Pointer, bi, bj, lane,
+                        diag: cutlass.Constexpr):
+        """store_tp_packed's block (bi, bj) of T' (rows 16 bi.., columns 16 bj..), by one warp. Each lane forms its
+        fragment elements of the block's four 8 x 8s (rows a = lane / 4, columns 2 (lane % 4) + e) from sT and β;
+        a block below the diagonal leaves whole by ``stmatrix .x4.trans``, a diagonal one (``diag``) by its
+        lower-left 8 x 8 (``.x1``) and the strictly lower elements of its two diagonal 8 x 8s as scalars (its
+        upper-right 8 x 8 is Aqk's). Element (r, c) of the 128-byte-swizzled staging is at r * 64 + ((c / 8) ^
+        (r % 8)) * 8 + c % 8 (layout_facts "aqk_staging_offsets")."""
+        a = lane // 4
+        b2 = (lane % 4) * 2
+        lrow = lane % 8  # this lane's line of its matrix (stmatrix addresses)
+        lmat = lane // 8
+        base = aqk_raw.toint()
+        frag = cute.make_rmem_tensor(cute.make_layout(8), BF16)  # matrix k's two values at 2 k, 2 k + 1
+        frag32 = cute.make_tensor(cute.recast_ptr(frag.iterator, dtype=cutlass.Int32), cute.make_layout(4))
+        t2 = cute.make_rmem_tensor(cute.make_layout(2), F32)
+        be2 = cute.make_rmem_tensor(cute.make_layout(2), F32)
+        for k in cutlass.range_constexpr(4):
+            if cutlass.const_expr(not diag or k != 2):
+                cute.autovec_copy(_vec(sT.iterator, (16 * bi + 8 * (k % 2) + a) * PAD + 16 * bj + 8 * (k // 2) + b2,
+                                       2), t2)
+                cute.autovec_copy(_vec(sBeta.iterator, 16 * bj + 8 * (k // 2) + b2, 2), be2)
+                frag[2 * k] = (t2[0] * be2[0]).to(BF16)
+                frag[2 * k + 1] = (t2[1] * be2[1]).to(BF16)
+        if cutlass.const_expr(diag):
+            # the lower-left 8 x 8 (matrix 1) whole: lane l < 8 gives P row 16 bj + l, columns 16 bi + 8..
+            r = 16 * bj + lrow
+            stmatrix_x1_trans(base + 2 * (r * CHUNK + (((2 * bi + 1) ^ lrow) << 3)), frag32[1])
+            for k in cutlass.range_constexpr(0, 4, 3):  # the two diagonal 8 x 8s: i > j only
+                for e in cutlass.range_constexpr(2):
+                    if a > b2 + e:
+                        i = 16 * bi + 8 * (k % 2) + a
+                        j = 16 * bj + 8 * (k // 2) + b2 + e
+                        off = j * CHUNK + (((i >> 3) ^ (j & 7)) << 3) + (i & 7)
+                        cute.make_tensor(aqk_raw + off, cute.make_layout(1))[0] = frag[2 * k + e]
+        else:
+            # lane l gives line lrow of matrix lmat: P row 16 bj + 8 (lmat / 2) + lrow, its 16-byte piece of
+            # columns 16 bi + 8 (lmat % 2)..
+            r = 16 * bj + 8 * (lmat // 2) + lrow
+            piece = 2 * bi + lmat % 2
+            stmatrix_x4_trans(base + 2 * (r * CHUNK + ((piece ^ lrow) << 3)), frag32[0], frag32[1], frag32[2],
+                              frag32[3])
 
     @cute.jit
     def invert(self, sA: cute.Tensor, sT: cute.Tensor, sY: cute.Tensor, warp, lane, tidx, b_raw: cute.Pointer,
