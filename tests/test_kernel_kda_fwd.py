@@ -1160,9 +1160,14 @@ def test_ptx_pack():
     from cula.kernels.common.ptx_check import ptx_reports
 
     reps = ptx_reports("cula.kernels.sm90.kda_fwd", ["intra_tc_t_out_block32_pack", "intra_tc_t_out_block32",
-                                                     "recur_v2_t_in_pack", "recur_v2_t_in"])
-    p1, d1, p2, d2 = (reps[n] for n in ("intra_tc_t_out_block32_pack", "intra_tc_t_out_block32",
-                                        "recur_v2_t_in_pack", "recur_v2_t_in"))
+                                                     "recur_v2_t_in_pack", "recur_v2_t_in",
+                                                     "intra_tc_t_out_block32_pack_scatter"])
+    p1, d1, p2, d2, s1 = (reps[n] for n in ("intra_tc_t_out_block32_pack", "intra_tc_t_out_block32",
+                                            "recur_v2_t_in_pack", "recur_v2_t_in",
+                                            "intra_tc_t_out_block32_pack_scatter"))
+    # TP_STORE "scatter" (session 29's form): 32 predicated 2-byte stores a thread in the row pass, no stmatrix .trans
+    assert s1.spill_bytes == 0 and ".local" not in s1.ptx and ".trans" not in s1.ptx
+    assert s1.count("st.shared.b16") == d1.count("st.shared.b16") + 32
     assert p1.spill_bytes == 0 and p2.spill_bytes == 0
     assert ".local" not in p2.ptx and ".local" not in p1.ptx  # (a first mask went there: stage 2 +55%, session 29)
     assert p1.count("cp.async.bulk.tensor") == d1.count("cp.async.bulk.tensor") - 1

@@ -76,6 +76,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         pack_bytes) envs="CULA_KDA_TC_DIAG=no_tp_store CULA_KDA_RECUR_DIAG=half_at" ;;
         pack) envs="CULA_KDA_PACK=1" ;;
         unpacked) envs="CULA_KDA_PACK=0" ;;
+        pack_scatter) envs="CULA_KDA_PACK=1 CULA_KDA_TC_TP_STORE=scatter" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
@@ -336,6 +337,14 @@ for s in $steps; do
         step pack_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k pack_equals
         mode_splits pack_split unpacked pack unpacked pack ;;
+    tp_store)  # session 30: the packed tile's T' stored by stmatrix .trans (TP_STORE "stmatrix", the default under
+        # pack) against session 29's scatter: one case first, the GPU test (bitwise the unpacked path), then unpacked /
+        # stmatrix / scatter splits twice (<= 200 s; AOT pack_checks, unpacked_split, pack_split, pack_scatter_split)
+        step tp_sanity 45 env CULA_KDA_PACK=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases tc-T1 || continue
+        step tp_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k pack_equals
+        mode_splits tp_split unpacked pack pack_scatter unpacked pack pack_scatter ;;
     pack_premise)  # session 29: what packing Aqk and T' into one 64 x 64 tile (8 KB a chunk instead of 16) would
         # save at most, timing only (outputs wrong): stage 1 without T''s store (CULA_KDA_TC_DIAG=no_tp_store) and
         # stage 2 reading ~8 KB of distinct [Aqk | T'] memory a chunk (CULA_KDA_RECUR_DIAG=half_at), against the

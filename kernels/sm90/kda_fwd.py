@@ -662,6 +662,8 @@ def kda_fwd(
             tc_flags.update(t_out=True)
             if pack:
                 tc_flags.update(pack=True)
+                if intra_tc.TP_STORE != intra_tc.TP_STORE_MODES[0]:
+                    tc_flags.update(tp_store=intra_tc.TP_STORE)
         if log_tc:
             tc_flags.update(log_gate=True, has_a_log=False, has_dt_bias=False)
         if intra_tc.GATE_FACTORS != intra_tc.GATE_FACTOR_MODES[0]:  # A/B runs only: the default keys stay short

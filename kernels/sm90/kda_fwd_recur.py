@@ -187,7 +187,7 @@ class KdaFwdRecur:
         # the diagonal, T' transposed above it, T''s diagonal after γ. It is loaded twice, into the Aqk tile (read
         # K-major, as unpacked) and into a T' tile read MN-major (B = the tile's transpose); the math warps zero
         # each copy's other half (and set T''s diagonal) for the next chunk while this chunk's last products run
-        # (mask_packed; an item's last chunk masks the next item's first, the CTA's first chunk is masked at its start).
+        # (mask_packed; an item's first chunk at its start).
         if pack and not t_in:
             raise ValueError("pack (CULA_KDA_PACK): needs t_in (u in stage 2), got t_in=False")
         self.pack = pack
@@ -836,19 +836,11 @@ class KdaFwdRecur:
                 acc_s.fill(0.0)  # what the first swap parks in the buffer (never copied out)
                 if cutlass.const_expr(self.has_h0):
                     self.state_in_async(mH0, sH, cta, dims, tidx)  # the grid has at most n_items CTAs
-            # pack: whether the ring's next stage is masked already (by the previous chunk, which may be the
-            # previous item's last: the TMA warp's copies run on across items in the same order)
-            ahead = cutlass.Int32(0)
             for item in cutlass.range(cta, n_items, n_ctas, unroll=1):
                 vtile, hv, seq = _item_coords(item, dims)
                 v0 = vtile * BV
                 c_first = mSeq[seq, 0]
                 n_chunks = mSeq[seq, 1]
-                next_has_chunks = cutlass.Int32(0)  # pack: this CTA's next item's first chunk follows in the ring
-                if cutlass.const_expr(self.pack):
-                    nxt_item = cutlass.min(item + n_ctas, n_items - 1)  # clamped: read in bounds, then discarded
-                    next_has_chunks = cutlass.Int32(item + n_ctas < n_items) * cutlass.Int32(
-                        mSeq[nxt_item // (n_vt * n_hv), 1] > 0)
                 # ---- initial state (either layout), as Sᵀ[v, k]
                 if cutlass.const_expr(self.state_smem):
                     self.state_swap(acc_s, cS, sH, mH0, mHT, item, cta, n_ctas, n_items, dims, tidx)
@@ -872,8 +864,8 @@ class KdaFwdRecur:
                 for ci in cutlass.range(n_chunks, unroll=1):
                     pipe.consumer_wait(cons)
                     st = cons.index
-                    if cutlass.const_expr(self.pack):  # not masked by the chunk before (the CTA's first, or one
-                        if ahead == 0:  # after an item without chunks): masked now, on the chain
+                    if cutlass.const_expr(self.pack):  # an item's first chunk: its copies masked now (on the chain)
+                        if ci == 0:
                             self.mask_packed(aqk_raw, tp_raw, gam_bf16, st, tidx)
                     # group 1: Sᵀ wᵀ, the head of the chain through the chunk (t_in: after vᵀ T'ᵀ, into the same
                     # accumulator, so it is v_newᵀ itself); group 2: oᵀ = Sᵀ qgᵀ, off the chain, keeps the tensor
@@ -918,12 +910,10 @@ class KdaFwdRecur:
                         cute.gemm(mma_n64, acc_ot, rV[None, None, kb], rB_aqk[None, None, kb, st], acc_ot)
                     warpgroup.commit_group()
                     if cutlass.const_expr(self.pack):
-                        # while groups 3-4 run: the next chunk's stage, once landed, masked (off the chain),
-                        # the next item's first after an item's last
+                        # while groups 3-4 run: the next chunk's stage, once landed, masked (off the chain)
                         nxt = (st + 1) % self.stages
                         nxt_phase = cons.phase ^ cutlass.Int32(st == self.stages - 1)
-                        ahead = cutlass.Int32(ci + 1 < n_chunks) | next_has_chunks
-                        if ahead != 0:
+                        if ci + 1 < n_chunks:
                             cute.arch.mbarrier_wait(full_bars + nxt, nxt_phase)
                             self.mask_packed(aqk_raw, tp_raw, gam_bf16, nxt, tidx)
                     warpgroup.wait_group(0)
