@@ -163,6 +163,16 @@ def test_tp_store_sanity_gpu_test_then_unpacked_stmatrix_scatter_splits_twice(tm
     assert mode == [(True, False, False), (False, True, False), (False, True, True)] * 2
 
 
+def test_sw_first_sanity_checks_gpu_test_then_four_splits_twice(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "sw_first")
+    splits = new_kernel_head(cmds, "CULA_KDA_RECUR_ORDER=sw_first", False, "pack_equals")
+    assert "CULA_KDA_RECUR_ORDER=sw_first" in cmds[2]  # the GPU test: packed against unpacked, both sw_first
+    assert len(splits) == 8 and all("--split worst" in c for c in splits)
+    mode = [("PACK=1" in c, "ORDER=sw_first" in c) for c in splits]
+    assert mode == [(False, False), (True, False), (False, True), (True, True)] * 2
+    assert all("PACK=" in c for c in splits)
+
+
 def test_pack_premise_splits_the_byte_diagnostics_against_the_default_twice(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "pack_premise")
     assert len(cmds) == 4 and all("--split worst" in c for c in cmds)

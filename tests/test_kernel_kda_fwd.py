@@ -1210,6 +1210,57 @@ def test_host_path_recur_diag_half_at(monkeypatch):
         recur.KdaFwdRecur(True, True, False, variant="v2", t_in=True, diag=("nope",))
 
 
+def test_host_path_recur_order_and_tp_store(monkeypatch):
+    """CULA_KDA_RECUR_ORDER (stage 2's product order) reaches stage 2's launch key as ``order`` (u in stage 2 only),
+    and CULA_KDA_TC_TP_STORE stage 1's as ``tp_store`` (packed only); by default neither key changes. Unknown names
+    and an order without t_in are refused."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+    from cula.kernels.sm90 import kda_fwd_recur as recur
+
+    calls = record_kda_launches(monkeypatch)
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    args, kw = _case(1, 130, 2, 2, None, seed=4, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                     use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, safe_gate=True)
+    args = tuple(x.bfloat16() for x in args)
+    kda_fwd.kda_fwd(*args, **kw)
+    monkeypatch.setattr(recur, "ORDER", "sw_first")
+    monkeypatch.setattr(intra_tc, "TP_STORE", "scatter")
+    kda_fwd.kda_fwd(*args, **kw)  # unpacked: tp_store does not apply
+    monkeypatch.setattr(kda_fwd, "PACK", "1")
+    kda_fwd.kda_fwd(*args, **kw)
+    rkeys = [dict(key[0]) for kind, key, _, _ in calls if kind == "recur"]
+    tkeys = [dict(key[0]) for kind, key, _, _ in calls if kind != "recur"]
+    assert "order" not in rkeys[0] and rkeys[1]["order"] == rkeys[2]["order"] == "sw_first"
+    assert {k: v for k, v in rkeys[1].items() if k != "order"} == rkeys[0]
+    assert "tp_store" not in tkeys[0] and "tp_store" not in tkeys[1] and tkeys[2]["tp_store"] == "scatter"
+    with pytest.raises(ValueError, match="needs t_in"):
+        recur.KdaFwdRecur(True, True, False, variant="v2", order="sw_first")
+    with pytest.raises(ValueError, match="CULA_KDA_RECUR_ORDER"):
+        recur.KdaFwdRecur(True, True, False, variant="v2", t_in=True, order="nope")
+    with pytest.raises(ValueError, match="CULA_KDA_TC_TP_STORE"):
+        intra_tc.KdaFwdIntraTC(True, True, True, True, False, group=1, t_out=True, pack=True, tp_store="nope")
+
+
+def test_ptx_recur_sw_first():
+    """ORDER "sw_first": the same products (Sᵀ(-w)ᵀ first, then vᵀ T'ᵀ onto it), no wgmma serialisation warning,
+    no spills or local memory; packed, the mask runs once a chunk (no wait for the next chunk's loads, one named
+    barrier 3 in the code)."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common.ptx_check import ptx_reports
+
+    names = ["recur_v2_t_in", "recur_v2_t_in_sw_first", "recur_v2_t_in_pack", "recur_v2_t_in_pack_sw_first",
+             "recur_v2_t_in_pack_state_smem_sw_first"]
+    d, s, p, ps, pss = (ptx_reports("cula.kernels.sm90.kda_fwd", names)[n] for n in names)
+    for r in (s, ps, pss):
+        assert r.spill_bytes == 0 and ".local" not in r.ptx
+        assert "C7517" not in r.ptxas_log and "C7514" not in r.ptxas_log and "serialized" not in r.ptxas_log
+    assert s.count("wgmma.mma_async") == d.count("wgmma.mma_async") and s.ptx != d.ptx
+    assert ps.count("wgmma.mma_async") == p.count("wgmma.mma_async")
+    assert ps.count("bar.sync 3, 128") == 1 and p.count("bar.sync 3, 128") == 2
+    assert ps.count("mbarrier.try_wait") == p.count("mbarrier.try_wait") - 1
+
+
 def test_item_order_covers_every_item():
     """Stage 2's persistent CTAs walk the (V tile, head, sequence) items V tile fastest, then head, then sequence
     (a head's two V halves side by side, sharing their scratch tiles in L2); every item once, and the state tile

@@ -77,6 +77,8 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         pack) envs="CULA_KDA_PACK=1" ;;
         unpacked) envs="CULA_KDA_PACK=0" ;;
         pack_scatter) envs="CULA_KDA_PACK=1 CULA_KDA_TC_TP_STORE=scatter" ;;
+        sw_first) envs="CULA_KDA_PACK=0 CULA_KDA_RECUR_ORDER=sw_first" ;;
+        pack_sw_first) envs="CULA_KDA_PACK=1 CULA_KDA_RECUR_ORDER=sw_first" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
@@ -345,6 +347,18 @@ for s in $steps; do
         step tp_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k pack_equals
         mode_splits tp_split unpacked pack pack_scatter unpacked pack pack_scatter ;;
+    sw_first)  # session 30: stage 2 with Sᵀ(-w)ᵀ issued first and, packed, the chunk's own copies masked while it runs
+        # (CULA_KDA_RECUR_ORDER=sw_first; no wait for the next chunk, no mask on the chain at an item's start): one
+        # case first, the nine checks unpacked (the sums' rounding changed), the GPU test (packed bitwise unpacked, both
+        # sw_first), then unpacked / packed / sw_first unpacked / packed splits twice (<= 260 s; AOT
+        # sw_first_checks, pack_sw_first_checks, unpacked_split, pack_split, sw_first_split, pack_sw_first_split)
+        step sw_sanity 45 env CULA_KDA_PACK=1 CULA_KDA_RECUR_ORDER=sw_first python3 -u -m cula.kernels.sm90.kda_fwd \
+            --check --no-bench --cases tc-T1 || continue
+        step sw_check 220 env CULA_KDA_RECUR_ORDER=sw_first python3 -u -m cula.kernels.sm90.kda_fwd --check \
+            --no-bench --cases $phase1_cases
+        step sw_tests 200 env CULA_KDA_RECUR_ORDER=sw_first python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+            tests/test_kernel_kda_fwd.py -k pack_equals
+        mode_splits sw_split unpacked pack sw_first pack_sw_first unpacked pack sw_first pack_sw_first ;;
     pack_premise)  # session 29: what packing Aqk and T' into one 64 x 64 tile (8 KB a chunk instead of 16) would
         # save at most, timing only (outputs wrong): stage 1 without T''s store (CULA_KDA_TC_DIAG=no_tp_store) and
         # stage 2 reading ~8 KB of distinct [Aqk | T'] memory a chunk (CULA_KDA_RECUR_DIAG=half_at), against the

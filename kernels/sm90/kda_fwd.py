@@ -631,6 +631,8 @@ def kda_fwd(
             rflags.update(t_in=True)
             if pack:
                 rflags.update(pack=True)
+            if recur.ORDER != recur.ORDER_MODES[0]:
+                rflags.update(order=recur.ORDER)
             if recur.RECUR_DIAG:  # timing diagnostics: o is wrong
                 warnings.warn(f"CULA_KDA_RECUR_DIAG={','.join(recur.RECUR_DIAG)}: stage 2's outputs are wrong "
                               "(timing only)", stacklevel=2)

@@ -63,6 +63,15 @@ RECUR_VARIANT = __import__("os").environ.get("CULA_KDA_RECUR_VARIANT", "v2")  # 
 #: packing Aqk and T' into one 64 x 64 tile would save stage 2 in DRAM traffic (session 29).
 RECUR_DIAG_OPTIONS = ("half_at",)
 RECUR_DIAG = tuple(x for x in __import__("os").environ.get("CULA_KDA_RECUR_DIAG", "").split(",") if x)
+#: t_in: the order of v_newᵀ = vᵀ T'ᵀ + Sᵀ(-w)ᵀ's two products in their accumulator. "vt_first" (session 17): vᵀ T'ᵀ
+#: heads the chunk; with pack the math threads mask the next chunk's copies of the packed tile while groups 3-4
+#: run (after waiting for its loads) and an item's first chunk at its start. "sw_first" (session 30): Sᵀ(-w)ᵀ is
+#: issued first (it reads no packed tile) and, with pack, the chunk's own copies are masked while it runs, then
+#: vᵀ T'ᵀ accumulates onto it: no wait for the next chunk, nothing masked on the chain after an item's start (with
+#: two stages, the state buffer's, the next chunk lands just before it is needed). The sums differ in rounding:
+#: ``CULA_KDA_RECUR_ORDER=sw_first`` applies to the packed and unpacked paths alike.
+ORDER_MODES = ("vt_first", "sw_first")
+ORDER = __import__("os").environ.get("CULA_KDA_RECUR_ORDER", ORDER_MODES[0])
 V2_STAGES = int(__import__("os").environ.get("CULA_KDA_RECUR_STAGES", "3"))  # env: A/B runs (2 frees 66 KB)
 V2_MATH_THREADS = 128  # warpgroup 0: every wgmma, the element-wise work and the o stores
 V2_TMA_WARP = 4  # the fifth warp issues the TMA loads; it holds no accumulators
@@ -158,7 +167,8 @@ class KdaFwdRecur:
 
     def __init__(self, has_initial_state: bool, output_final_state: bool, state_v_first: bool,
                  variant: str | None = None, h0_prefetch: bool | None = None, pdl: bool | None = None,
-                 state_smem: bool = False, t_in: bool = False, diag: tuple = (), pack: bool = False):
+                 state_smem: bool = False, t_in: bool = False, diag: tuple = (), pack: bool = False,
+                 order: str = ORDER_MODES[0]):
         unknown = [d for d in diag if d not in RECUR_DIAG_OPTIONS]
         if unknown:
             raise ValueError(f"diag (CULA_KDA_RECUR_DIAG): expected names from {RECUR_DIAG_OPTIONS}, got {unknown}")
@@ -191,6 +201,11 @@ class KdaFwdRecur:
         if pack and not t_in:
             raise ValueError("pack (CULA_KDA_PACK): needs t_in (u in stage 2), got t_in=False")
         self.pack = pack
+        if order not in ORDER_MODES:
+            raise ValueError(f"order (CULA_KDA_RECUR_ORDER): expected one of {ORDER_MODES}, got {order!r}")
+        if order != ORDER_MODES[0] and not t_in:
+            raise ValueError(f"order {order!r} (CULA_KDA_RECUR_ORDER): needs t_in (u in stage 2), got t_in=False")
+        self.sw_first = order == "sw_first"  # ORDER
         self.gam_pitch = GAM_PITCH_PACK if pack else DK
         self.o_pitch = V2_O_PITCH_COMPACT if t_in else V2_O_PITCH
         self.aqk_cols = 2 * CHUNK if t_in and not pack else CHUNK  # a chunk's Aqk (| T') box
@@ -864,20 +879,26 @@ class KdaFwdRecur:
                 for ci in cutlass.range(n_chunks, unroll=1):
                     pipe.consumer_wait(cons)
                     st = cons.index
-                    if cutlass.const_expr(self.pack):  # an item's first chunk: its copies masked now (on the chain)
-                        if ci == 0:
+                    if cutlass.const_expr(self.pack and not self.sw_first):
+                        if ci == 0:  # an item's first chunk: its copies masked now (on the chain)
                             self.mask_packed(aqk_raw, tp_raw, gam_bf16, st, tidx)
                     # group 1: Sᵀ wᵀ, the head of the chain through the chunk (t_in: after vᵀ T'ᵀ, into the same
                     # accumulator, so it is v_newᵀ itself); group 2: oᵀ = Sᵀ qgᵀ, off the chain, keeps the tensor
                     # pipe busy while v_new is formed
-                    if cutlass.const_expr(self.t_in):
-                        self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, st, seq_end - (bos + ci * CHUNK), tidx)
+                    nvalid = seq_end - (bos + ci * CHUNK)
+                    if cutlass.const_expr(self.t_in and not self.sw_first):
+                        self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, st, nvalid, False, tidx)
                     warpgroup.fence()
-                    mma_n64.set(warpgroup.Field.ACCUMULATE, self.t_in)
+                    mma_n64.set(warpgroup.Field.ACCUMULATE, self.t_in and not self.sw_first)
                     for kb in cutlass.range_constexpr(cute.size(rS, mode=[2])):
                         cute.gemm(mma_n64, acc_vt, rS[None, None, kb], rB_w[None, None, kb, st], acc_vt)
                         mma_n64.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.commit_group()
+                    if cutlass.const_expr(self.sw_first):
+                        # while Sᵀ(-w)ᵀ runs: this chunk's copies of the packed tile masked, then vᵀ T'ᵀ onto it
+                        if cutlass.const_expr(self.pack):
+                            self.mask_packed(aqk_raw, tp_raw, gam_bf16, st, tidx)
+                        self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, st, nvalid, True, tidx)
                     mma_n64.set(warpgroup.Field.ACCUMULATE, False)
                     for kb in cutlass.range_constexpr(cute.size(rS, mode=[2])):
                         cute.gemm(mma_n64, acc_ot, rS[None, None, kb], rB_qg[None, None, kb, st], acc_ot)
@@ -909,7 +930,7 @@ class KdaFwdRecur:
                     for kb in cutlass.range_constexpr(cute.size(rV, mode=[2])):
                         cute.gemm(mma_n64, acc_ot, rV[None, None, kb], rB_aqk[None, None, kb, st], acc_ot)
                     warpgroup.commit_group()
-                    if cutlass.const_expr(self.pack):
+                    if cutlass.const_expr(self.pack and not self.sw_first):
                         # while groups 3-4 run: the next chunk's stage, once landed, masked (off the chain)
                         nxt = (st + 1) % self.stages
                         nxt_phase = cons.phase ^ cutlass.Int32(st == self.stages - 1)
@@ -1034,15 +1055,15 @@ class KdaFwdRecur:
             b_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1), (BV, CHUNK))
 
     @cute.jit
-    def issue_vt(self, acc_vt, rA_v, rB_tp, u_raw, st, nvalid, tidx):
-        """t_in: acc_vt = vᵀ T'ᵀ of the chunk in stage ``st`` (``nvalid`` of its rows in the sequence), one
-        commit group. A partial chunk's v rows past the sequence's end hold the next sequence's tokens: T' has
-        zero columns there, but 0 x Inf is not 0, so they are zeroed first."""
+    def issue_vt(self, acc_vt, rA_v, rB_tp, u_raw, st, nvalid, accumulate: cutlass.Constexpr, tidx):
+        """t_in: acc_vt = vᵀ T'ᵀ of the chunk in stage ``st`` (``nvalid`` of its rows in the sequence; with
+        ``accumulate`` added onto acc_vt), one commit group. A partial chunk's v rows past the sequence's end hold
+        the next sequence's tokens: T' has zero columns there, but 0 x Inf is not 0, so they are zeroed first."""
         if nvalid < CHUNK:
             self.zero_v_rows(u_raw, st, nvalid, tidx)
         mma_t = self.make_mma_t()  # its own: a TiledMma's ACCUMULATE field is SSA state of one region
         warpgroup.fence()
-        mma_t.set(warpgroup.Field.ACCUMULATE, False)
+        mma_t.set(warpgroup.Field.ACCUMULATE, accumulate)
         for kb in cutlass.range_constexpr(cute.size(rA_v, mode=[2])):
             cute.gemm(mma_t, acc_vt, rA_v[None, None, kb, st], rB_tp[None, None, kb + self.tp_k0, st], acc_vt)
             mma_t.set(warpgroup.Field.ACCUMULATE, True)
@@ -1175,6 +1196,9 @@ def compile_targets():
     targets["v2_t_in_pack_no_state"] = build(has_initial_state=False, output_final_state=False, state_v_first=False,
                                              variant="v2", t_in=True, pack=True)
     targets["v2_t_in_pack_state_smem"] = build(**full, variant="v2", state_smem=True, t_in=True, pack=True)
+    # ORDER "sw_first": unpacked, packed, packed with the state buffer
+    for name, extra in (("", {}), ("_pack", {"pack": True}), ("_pack_state_smem", {"pack": True, "state_smem": True})):
+        targets[f"v2_t_in{name}_sw_first"] = build(**full, variant="v2", t_in=True, order="sw_first", **extra)
     return targets
 
 
