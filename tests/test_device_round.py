@@ -153,24 +153,10 @@ def test_pack_sanity_first_then_checks_gpu_test_and_splits(tmp_path):
     assert [("CULA_KDA_PACK=0" in c) for c in splits] == [True, False] * 2  # forced off: the default decides by length
 
 
-def test_tp_store_sanity_gpu_test_then_unpacked_stmatrix_scatter_splits_twice(tmp_path):
-    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "tp_store")
-    sanity, test, splits = cmds[0], cmds[1], cmds[2:]
-    assert "CULA_KDA_PACK=1" in sanity and "--cases tc-T1" in sanity
-    assert "pytest" in test and "pack_equals" in test.split(" -k ")[1]
-    assert len(splits) == 6 and all("--split worst" in c for c in splits)
-    mode = [("PACK=0" in c, "PACK=1" in c, "TP_STORE=scatter" in c) for c in splits]
-    assert mode == [(True, False, False), (False, True, False), (False, True, True)] * 2
-
-
-def test_sw_first_sanity_checks_gpu_test_then_four_splits_twice(tmp_path):
-    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "sw_first")
-    splits = new_kernel_head(cmds, "CULA_KDA_RECUR_ORDER=sw_first", False, "pack_equals")
-    assert "CULA_KDA_RECUR_ORDER=sw_first" in cmds[2]  # the GPU test: packed against unpacked, both sw_first
-    assert len(splits) == 8 and all("--split worst" in c for c in splits)
-    mode = [("PACK=1" in c, "ORDER=sw_first" in c) for c in splits]
-    assert mode == [(False, False), (True, False), (False, True), (True, True)] * 2
-    assert all("PACK=" in c for c in splits)
+def test_s30_sanity_checks_then_the_u_in_recur_and_pack_gpu_tests(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "s30")
+    rest = new_kernel_head(cmds, "CULA_KDA", True, "u_in_recur")  # the defaults, nothing forced
+    assert "pack_equals" in cmds[2] and rest == []
 
 
 def test_pack_premise_splits_the_byte_diagnostics_against_the_default_twice(tmp_path):

@@ -263,56 +263,6 @@ def test_tc_layout_facts():
     assert {v for k, v in facts.items() if k.startswith("swizzle_")} == {"S<3,4,3>"}
 
 
-def _stmatrix_trans_lines(frags: list, lines: list, mem: dict, n_mat: int) -> None:
-    """PTX ``stmatrix .m8n8.trans`` (b16) for one warp: ``frags[t][k]`` lane t's two values of matrix k, ``lines[l]``
-    lane l's line (an element offset); line b of matrix k gets, at position a, fragment element (a, b): lane
-    4 a + b // 2's value b % 2 of matrix k."""
-    for k in range(n_mat):
-        for b in range(8):
-            for a in range(8):
-                off = lines[8 * k + b] + a
-                assert off not in mem, "written twice"
-                mem[off] = frags[4 * a + b // 2][k][b % 2]
-
-
-def test_pack_tp_store_plan_covers_the_upper_triangle():
-    """pack: store_tp_packed's plan, emulated with the PTX semantics of stmatrix .trans (lanes' lines, fragment
-    rows a = lane / 4, columns 2 (lane % 4) + e): after it and the Aqk store before it, the staging's (r, c) holds
-    T'(c, r) for c > r and Aqk(r, c) for c <= r, each element written once (the offsets are the swizzled ones,
-    layout_facts "aqk_staging_offsets")."""
-    C = 64
-
-    def swz(r, c):
-        return r * C + (((c >> 3) ^ (r % 8)) << 3) + (c & 7)
-
-    mem = {swz(r, c): ("A", r, c) for r in range(C) for c in range(r + 1)}  # the combine's Aqk
-    for w in range(4):
-        blocks = [(w, w, True), (1 + (w + 1) // 2, int(w == 2), False)] + ([(3, w + 1, False)] if w < 2 else [])
-        for bi, bj, diag in blocks:
-            frags = [[[("T", 16 * bi + 8 * (k % 2) + t // 4, 16 * bj + 8 * (k // 2) + (t % 4) * 2 + e)
-                       for e in range(2)] for k in range(4)] for t in range(32)]
-            if diag:
-                lines = [(16 * bj + lrow) * C + (((2 * bi + 1) ^ lrow) << 3) for lrow in range(8)]
-                _stmatrix_trans_lines([[f[1]] for f in frags], lines, mem, 1)
-                for t in range(32):
-                    a, b2 = t // 4, (t % 4) * 2
-                    for k in (0, 3):
-                        for e in range(2):
-                            if a > b2 + e:
-                                i, j = 16 * bi + 8 * (k % 2) + a, 16 * bj + 8 * (k // 2) + b2 + e
-                                off = j * C + (((i >> 3) ^ (j & 7)) << 3) + (i & 7)
-                                assert off not in mem
-                                mem[off] = frags[t][k][e]
-            else:
-                lines = [(16 * bj + 8 * (l // 8 // 2) + l % 8) * C + (((2 * bi + (l // 8) % 2) ^ (l % 8)) << 3)
-                         for l in range(32)]
-                _stmatrix_trans_lines(frags, lines, mem, 4)
-    assert len(mem) == C * C
-    for r in range(C):
-        for c in range(C):
-            assert mem[swz(r, c)] == (("T", c, r) if c > r else ("A", r, c)), (r, c)
-
-
 def test_recur_v2_layout_facts():
     """What v2 relies on, from the DSL's own layouts: the bf16 Sᵀ / v_newᵀ registers are the RS products'
     A operands element for element, each warp's accumulator rows are its 16 v (its o staging tile,
@@ -1135,13 +1085,18 @@ def test_host_path_pack(monkeypatch):
 
 
 def test_use_pack_by_length_unless_forced(monkeypatch):
-    """By default PACK serves sequences of PACK_MIN_CHUNKS (16) chunks or more on average (the varlen tables' rows
-    bound the chunks: n20 T4096 has at most 84 for 20 sequences, not packed; B2 T16384 512 for 2, packed);
-    CULA_KDA_PACK=1 / 0 forces it on / off."""
+    """By default PACK serves sequences of more than PACK_ABOVE_CHUNKS (7) chunks on average, exactly the lengths
+    whose stage 2 runs without the state buffer, three stages (the varlen tables' rows bound the chunks: n20 T4096
+    has at most 84 for 20 sequences, not packed; n20 T16384 276, B2 T16384 512 for 2, packed); CULA_KDA_PACK=1 / 0
+    forces it on / off."""
+    from cula.kernels.sm90 import kda_fwd_recur as recur
+
     monkeypatch.setattr(kda_fwd, "PACK", None)
-    assert kda_fwd.PACK_MIN_CHUNKS == 16
-    assert kda_fwd.use_pack(1, 16) and not kda_fwd.use_pack(1, 15)
-    assert not kda_fwd.use_pack(20, 4096 // 64 + 20) and kda_fwd.use_pack(2, 512) and kda_fwd.use_pack(10, 266)
+    assert kda_fwd.PACK_ABOVE_CHUNKS == recur.STATE_SMEM_MAX_CHUNKS == 7
+    assert kda_fwd.use_pack(1, 8) and not kda_fwd.use_pack(1, 7)
+    for n, nc in ((20, 84), (20, 276), (2, 512), (10, 266), (3, 22)):
+        assert kda_fwd.use_pack(n, nc) == (not recur.use_state_smem(n, nc, True))
+    assert not kda_fwd.use_pack(20, 4096 // 64 + 20) and kda_fwd.use_pack(20, 16384 // 64 + 20)
     monkeypatch.setattr(kda_fwd, "PACK", "0")
     assert not kda_fwd.use_pack(2, 512)
     monkeypatch.setattr(kda_fwd, "PACK", "1")
@@ -1149,41 +1104,37 @@ def test_use_pack_by_length_unless_forced(monkeypatch):
 
 
 def test_ptx_pack():
-    """The packed [Aqk | T'] builds: stage 1 issues one TMA store fewer (Aqk leaves with T'), stores T' below the
-    diagonal into the staging transposed (two stmatrix .x4.trans and one .x1.trans in the code, and 4 predicated
-    2-byte shared stores a thread: the diagonal 8 x 8s) and stores the diagonal once a row;
+    """The packed [Aqk | T'] builds: stage 1 issues one TMA store fewer (Aqk leaves with T'), scatters T' below the
+    diagonal into the staging (32 predicated 2-byte shared stores a thread) and stores the diagonal once a row;
     stage 2 issues the same TMA loads as u in stage 2 (the 16 KB box is two 8 KB boxes) and its math threads mask
-    the two copies (16-byte pieces zeroed or masked, a fence, a named barrier; the code twice: for the CTA's first
-    chunk, and for the next chunk, after waiting for its loads, while the last products run). No spills, no local
-    memory."""
+    the two copies (16-byte pieces zeroed or masked, a fence, a named barrier; once a chunk, while Sᵀ(-w)ᵀ runs:
+    no wait for the next chunk's loads). The products are the unpacked path's (t_in: Sᵀ(-w)ᵀ, then vᵀ T'ᵀ onto it),
+    with no wgmma serialisation warning. No spills, no local memory."""
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_reports
 
     reps = ptx_reports("cula.kernels.sm90.kda_fwd", ["intra_tc_t_out_block32_pack", "intra_tc_t_out_block32",
                                                      "recur_v2_t_in_pack", "recur_v2_t_in",
-                                                     "intra_tc_t_out_block32_pack_scatter"])
-    p1, d1, p2, d2, s1 = (reps[n] for n in ("intra_tc_t_out_block32_pack", "intra_tc_t_out_block32",
-                                            "recur_v2_t_in_pack", "recur_v2_t_in",
-                                            "intra_tc_t_out_block32_pack_scatter"))
-    # TP_STORE "scatter" (session 29's form): 32 predicated 2-byte stores a thread in the row pass, no stmatrix .trans
-    assert s1.spill_bytes == 0 and ".local" not in s1.ptx and ".trans" not in s1.ptx
-    assert s1.count("st.shared.b16") == d1.count("st.shared.b16") + 32
+                                                     "recur_v2_t_in_pack_state_smem"])
+    p1, d1, p2, d2, p3 = (reps[n] for n in ("intra_tc_t_out_block32_pack", "intra_tc_t_out_block32",
+                                            "recur_v2_t_in_pack", "recur_v2_t_in", "recur_v2_t_in_pack_state_smem"))
     assert p1.spill_bytes == 0 and p2.spill_bytes == 0
     assert ".local" not in p2.ptx and ".local" not in p1.ptx  # (a first mask went there: stage 2 +55%, session 29)
     assert p1.count("cp.async.bulk.tensor") == d1.count("cp.async.bulk.tensor") - 1
-    assert p1.count("st.shared.b16") == d1.count("st.shared.b16") + 4
-    assert p1.count("stmatrix.sync.aligned.m8n8.x4.trans") == 2 and p1.count("m8n8.x1.trans") == 1
-    assert ".trans" not in d1.ptx
+    assert p1.count("st.shared.b16") == d1.count("st.shared.b16") + 32
     assert p1.count("st.global.b16") == d1.count("st.global.b16") + 1
     assert p1.count("wgmma.mma_async") == d1.count("wgmma.mma_async")
     assert p2.count("cp.async.bulk.tensor") == d2.count("cp.async.bulk.tensor")
     assert p2.count("mbarrier.init") == d2.count("mbarrier.init")
-    assert p2.count("fence.proxy.async") == d2.count("fence.proxy.async") + 2
+    assert p2.count("fence.proxy.async") == d2.count("fence.proxy.async") + 1
     assert p2.count("mbarrier.arrive") == d2.count("mbarrier.arrive")
-    assert p2.count("mbarrier.try_wait") == d2.count("mbarrier.try_wait") + 1  # the next stage's loads
-    assert p2.count("bar.sync 3, 128") == 2
-    assert p2.count("st.shared.v4") >= d2.count("st.shared.v4") + 12
+    assert p2.count("mbarrier.try_wait") == d2.count("mbarrier.try_wait")  # (no wait for the next stage's loads)
+    assert p2.count("bar.sync 3, 128") == 1
+    assert p2.count("st.shared.v4") >= d2.count("st.shared.v4") + 6
     assert p2.count("wgmma.mma_async") == d2.count("wgmma.mma_async")
+    for r in (p2, p3, d2):
+        assert r.spill_bytes == 0 and ".local" not in r.ptx
+        assert "C7517" not in r.ptxas_log and "C7514" not in r.ptxas_log and "serialized" not in r.ptxas_log
 
 
 def test_host_path_recur_diag_half_at(monkeypatch):
@@ -1208,57 +1159,6 @@ def test_host_path_recur_diag_half_at(monkeypatch):
         recur.KdaFwdRecur(True, True, False, variant="v2", diag=("half_at",))
     with pytest.raises(ValueError, match="CULA_KDA_RECUR_DIAG"):
         recur.KdaFwdRecur(True, True, False, variant="v2", t_in=True, diag=("nope",))
-
-
-def test_host_path_recur_order_and_tp_store(monkeypatch):
-    """CULA_KDA_RECUR_ORDER (stage 2's product order) reaches stage 2's launch key as ``order`` (u in stage 2 only),
-    and CULA_KDA_TC_TP_STORE stage 1's as ``tp_store`` (packed only); by default neither key changes. Unknown names
-    and an order without t_in are refused."""
-    pytest.importorskip("cutlass")
-    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
-    from cula.kernels.sm90 import kda_fwd_recur as recur
-
-    calls = record_kda_launches(monkeypatch)
-    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
-    args, kw = _case(1, 130, 2, 2, None, seed=4, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                     use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, safe_gate=True)
-    args = tuple(x.bfloat16() for x in args)
-    kda_fwd.kda_fwd(*args, **kw)
-    monkeypatch.setattr(recur, "ORDER", "sw_first")
-    monkeypatch.setattr(intra_tc, "TP_STORE", "scatter")
-    kda_fwd.kda_fwd(*args, **kw)  # unpacked: tp_store does not apply
-    monkeypatch.setattr(kda_fwd, "PACK", "1")
-    kda_fwd.kda_fwd(*args, **kw)
-    rkeys = [dict(key[0]) for kind, key, _, _ in calls if kind == "recur"]
-    tkeys = [dict(key[0]) for kind, key, _, _ in calls if kind != "recur"]
-    assert "order" not in rkeys[0] and rkeys[1]["order"] == rkeys[2]["order"] == "sw_first"
-    assert {k: v for k, v in rkeys[1].items() if k != "order"} == rkeys[0]
-    assert "tp_store" not in tkeys[0] and "tp_store" not in tkeys[1] and tkeys[2]["tp_store"] == "scatter"
-    with pytest.raises(ValueError, match="needs t_in"):
-        recur.KdaFwdRecur(True, True, False, variant="v2", order="sw_first")
-    with pytest.raises(ValueError, match="CULA_KDA_RECUR_ORDER"):
-        recur.KdaFwdRecur(True, True, False, variant="v2", t_in=True, order="nope")
-    with pytest.raises(ValueError, match="CULA_KDA_TC_TP_STORE"):
-        intra_tc.KdaFwdIntraTC(True, True, True, True, False, group=1, t_out=True, pack=True, tp_store="nope")
-
-
-def test_ptx_recur_sw_first():
-    """ORDER "sw_first": the same products (Sᵀ(-w)ᵀ first, then vᵀ T'ᵀ onto it), no wgmma serialisation warning,
-    no spills or local memory; packed, the mask runs once a chunk (no wait for the next chunk's loads, one named
-    barrier 3 in the code)."""
-    pytest.importorskip("cutlass")
-    from cula.kernels.common.ptx_check import ptx_reports
-
-    names = ["recur_v2_t_in", "recur_v2_t_in_sw_first", "recur_v2_t_in_pack", "recur_v2_t_in_pack_sw_first",
-             "recur_v2_t_in_pack_state_smem_sw_first"]
-    d, s, p, ps, pss = (ptx_reports("cula.kernels.sm90.kda_fwd", names)[n] for n in names)
-    for r in (s, ps, pss):
-        assert r.spill_bytes == 0 and ".local" not in r.ptx
-        assert "C7517" not in r.ptxas_log and "C7514" not in r.ptxas_log and "serialized" not in r.ptxas_log
-    assert s.count("wgmma.mma_async") == d.count("wgmma.mma_async") and s.ptx != d.ptx
-    assert ps.count("wgmma.mma_async") == p.count("wgmma.mma_async")
-    assert ps.count("bar.sync 3, 128") == 1 and p.count("bar.sync 3, 128") == 2
-    assert ps.count("mbarrier.try_wait") == p.count("mbarrier.try_wait") - 1
 
 
 def test_item_order_covers_every_item():

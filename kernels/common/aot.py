@@ -196,11 +196,6 @@ SCENARIOS = {
     "pack_checks": ("tc", {"PACK": "1"}),
     "pack_split": ("split", {"PACK": "1"}),
     "unpacked_split": ("split", {"PACK": "0"}),
-    # device_round tp_store: the packed tile with session 29's T' scatter (TP_STORE "scatter") in the splits
-    "pack_scatter_split": ("split", {"PACK": "1", "intra_tc.TP_STORE": "scatter"}),
-    # device_round sw_first: stage 2 with Sᵀ(-w)ᵀ first (recur.ORDER), the packed tile masked while it runs
-    **{f"{n}sw_first_{w}": (what, {"PACK": p, "recur.ORDER": "sw_first"}) for n, p in (("", "0"), ("pack_", "1"))
-       for w, what in (("checks", "tc"), ("split", "split"))},
     # device_round pack_premise: stage 1 without T''s store, stage 2 reading ~8 KB of [Aqk | T'] a chunk instead of
     # 16 (timing only: what packing the two into one 64 x 64 tile would save at most)
     "pack_premise_split": ("split", {"intra_tc.DIAG": ("no_tp_store",), "recur.RECUR_DIAG": ("half_at",)}),

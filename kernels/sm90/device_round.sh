@@ -76,9 +76,6 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         pack_bytes) envs="CULA_KDA_TC_DIAG=no_tp_store CULA_KDA_RECUR_DIAG=half_at" ;;
         pack) envs="CULA_KDA_PACK=1" ;;
         unpacked) envs="CULA_KDA_PACK=0" ;;
-        pack_scatter) envs="CULA_KDA_PACK=1 CULA_KDA_TC_TP_STORE=scatter" ;;
-        sw_first) envs="CULA_KDA_PACK=0 CULA_KDA_RECUR_ORDER=sw_first" ;;
-        pack_sw_first) envs="CULA_KDA_PACK=1 CULA_KDA_RECUR_ORDER=sw_first" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
     done
@@ -339,26 +336,13 @@ for s in $steps; do
         step pack_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k pack_equals
         mode_splits pack_split unpacked pack unpacked pack ;;
-    tp_store)  # session 30: the packed tile's T' stored by stmatrix .trans (TP_STORE "stmatrix", the default under
-        # pack) against session 29's scatter: one case first, the GPU test (bitwise the unpacked path), then unpacked /
-        # stmatrix / scatter splits twice (<= 200 s; AOT pack_checks, unpacked_split, pack_split, pack_scatter_split)
-        step tp_sanity 45 env CULA_KDA_PACK=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
-            --cases tc-T1 || continue
-        step tp_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
-            -k pack_equals
-        mode_splits tp_split unpacked pack pack_scatter unpacked pack pack_scatter ;;
-    sw_first)  # session 30: stage 2 with Sᵀ(-w)ᵀ issued first and, packed, the chunk's own copies masked while it runs
-        # (CULA_KDA_RECUR_ORDER=sw_first; no wait for the next chunk, no mask on the chain at an item's start): one
-        # case first, the nine checks unpacked (the sums' rounding changed), the GPU test (packed bitwise unpacked, both
-        # sw_first), then unpacked / packed / sw_first unpacked / packed splits twice (<= 260 s; AOT
-        # sw_first_checks, pack_sw_first_checks, unpacked_split, pack_split, sw_first_split, pack_sw_first_split)
-        step sw_sanity 45 env CULA_KDA_PACK=1 CULA_KDA_RECUR_ORDER=sw_first python3 -u -m cula.kernels.sm90.kda_fwd \
-            --check --no-bench --cases tc-T1 || continue
-        step sw_check 220 env CULA_KDA_RECUR_ORDER=sw_first python3 -u -m cula.kernels.sm90.kda_fwd --check \
-            --no-bench --cases $phase1_cases
-        step sw_tests 200 env CULA_KDA_RECUR_ORDER=sw_first python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
-            tests/test_kernel_kda_fwd.py -k pack_equals
-        mode_splits sw_split unpacked pack sw_first pack_sw_first unpacked pack sw_first pack_sw_first ;;
+    s30)  # session 30: stage 2 issues Sᵀ(-w)ᵀ before vᵀ T'ᵀ (the sums' order changed) and masks the packed tile's
+        # copies while it runs; the tile by default above 7 chunks a sequence: one case first, the nine checks, the
+        # u-in-stage-2 and pack GPU tests (<= 300 s; AOT checks, pack_checks); the suites follow (next)
+        step s30_sanity 45 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-T1 || continue
+        step s30_check 220 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $phase1_cases
+        step s30_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "u_in_recur or pack_equals" ;;
     pack_premise)  # session 29: what packing Aqk and T' into one 64 x 64 tile (8 KB a chunk instead of 16) would
         # save at most, timing only (outputs wrong): stage 1 without T''s store (CULA_KDA_TC_DIAG=no_tp_store) and
         # stage 2 reading ~8 KB of distinct [Aqk | T'] memory a chunk (CULA_KDA_RECUR_DIAG=half_at), against the

@@ -65,22 +65,23 @@ LOG_GATE_OPT_IN = "kda_fwd_loggate"
 U_IN_RECUR = __import__("os").environ.get("CULA_KDA_U_IN_RECUR", "1") == "1"
 #: Packed [Aqk | T'] (session 29, with U_IN_RECUR): stage 1 stores one [64, 64] tile a chunk, Aqk on and below the
 #: diagonal and T' transposed above it, and T''s diagonal after γ in γ's row (recur.GAM_PITCH_PACK floats); stage 2
-#: loads the tile twice and its math threads mask each copy (the next chunk's while the last products run). 8 KB
-#: fewer a chunk and value head written by stage 1 and read by stage 2 (of ~112 and ~96 KB). H100: stage 2 -8%,
-#: both stages -3.5% at B2 T16384, but +0.4 to +3% on the varlen n20 T4096 rows (short items mask their first
-#: chunk on the chain; stage 1's scatter costs 1-2% there), so by default only where sequences average
-#: PACK_MIN_CHUNKS chunks or more (use_pack). Not with the clock diagnostic (its slots follow γ's unpacked rows).
-#: ``CULA_KDA_PACK=1`` / ``=0`` forces it on / off.
+#: loads the tile twice and its math threads mask each copy while the chunk's first product, Sᵀ(-w)ᵀ, runs. 8 KB
+#: fewer a chunk and value head written by stage 1 and read by stage 2 (of ~112 and ~96 KB). H100, session 30:
+#: stage 2 -8.6%, both stages -3.0% at B2 T16384; on the varlen n20 T4096 rows (3-4 chunks a sequence, stage 2's
+#: two-stage ring with the state buffer) stage 2 -1 to -3% and stage 1 +1 to +2% (its T' scatter), both -1 to
+#: +0.5%: so by default where sequences average more than PACK_ABOVE_CHUNKS chunks, the lengths whose stage 2
+#: runs three stages (recur.STATE_SMEM_MAX_CHUNKS; use_pack). Not with the clock diagnostic (its slots follow γ's
+#: unpacked rows). ``CULA_KDA_PACK=1`` / ``=0`` forces it on / off.
 PACK = __import__("os").environ.get("CULA_KDA_PACK")
-PACK_MIN_CHUNKS = 16
+PACK_ABOVE_CHUNKS = 7  # = kda_fwd_recur.STATE_SMEM_MAX_CHUNKS (tests check it)
 
 
 def use_pack(num_seqs: int, num_chunks: int) -> bool:
-    """Whether kda_fwd packs [Aqk | T'] (with u in stage 2): CULA_KDA_PACK if set, else sequences of at least
-    PACK_MIN_CHUNKS chunks on average (``num_chunks``: the chunk tables' rows, an upper bound for varlen)."""
+    """Whether kda_fwd packs [Aqk | T'] (with u in stage 2): CULA_KDA_PACK if set, else sequences of more than
+    PACK_ABOVE_CHUNKS chunks on average (``num_chunks``: the chunk tables' rows, an upper bound for varlen)."""
     if PACK is not None:
         return PACK == "1"
-    return num_chunks >= PACK_MIN_CHUNKS * max(num_seqs, 1)
+    return num_chunks > PACK_ABOVE_CHUNKS * max(num_seqs, 1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -631,8 +632,6 @@ def kda_fwd(
             rflags.update(t_in=True)
             if pack:
                 rflags.update(pack=True)
-            if recur.ORDER != recur.ORDER_MODES[0]:
-                rflags.update(order=recur.ORDER)
             if recur.RECUR_DIAG:  # timing diagnostics: o is wrong
                 warnings.warn(f"CULA_KDA_RECUR_DIAG={','.join(recur.RECUR_DIAG)}: stage 2's outputs are wrong "
                               "(timing only)", stacklevel=2)
@@ -664,8 +663,6 @@ def kda_fwd(
             tc_flags.update(t_out=True)
             if pack:
                 tc_flags.update(pack=True)
-                if intra_tc.TP_STORE != intra_tc.TP_STORE_MODES[0]:
-                    tc_flags.update(tp_store=intra_tc.TP_STORE)
         if log_tc:
             tc_flags.update(log_gate=True, has_a_log=False, has_dt_bias=False)
         if intra_tc.GATE_FACTORS != intra_tc.GATE_FACTOR_MODES[0]:  # A/B runs only: the default keys stay short

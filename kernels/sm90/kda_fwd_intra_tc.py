@@ -54,7 +54,6 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
 from cula.kernels.common.sm_clock import clock64, smid
-from cula.kernels.common.stmatrix import stmatrix_x1_trans, stmatrix_x4_trans
 from cula.kernels.common.wgmma_frag import a_operand_layout
 from cula.kernels.sm90.kda_fwd_clock import STAMP_NAMES as CLOCK_STAMPS
 from cula.kernels.sm90.kda_fwd_recur import GAM_PITCH_PACK
@@ -202,12 +201,6 @@ assert len(CLOCK_STAMPS) < CLOCK_SLOTS
 #: the diagnostics that keep stage 1's values (all but no_v_u): what device_round's diag_split times one by one
 SAME_VALUE_DIAGS = tuple(d for d in DIAG_OPTIONS if d != "no_v_u")
 DIAG = tuple(x for x in __import__("os").environ.get("CULA_KDA_TC_DIAG", "").split(",") if x)
-#: pack: how T' below its diagonal reaches the Aqk staging, transposed. "stmatrix" (session 30): after T''s row pass,
-#: T''s 16 x 16 blocks formed in the mma-fragment layout and stored by ``stmatrix .trans`` (store_tp_packed);
-#: "scatter" (session 29): inside the row pass, 32 predicated 2-byte shared stores a thread. Bitwise the same tile.
-#: ``CULA_KDA_TC_TP_STORE=scatter`` for A/B runs.
-TP_STORE_MODES = ("stmatrix", "scatter")
-TP_STORE = __import__("os").environ.get("CULA_KDA_TC_TP_STORE", TP_STORE_MODES[0])
 SPLIT_PASSES = ((0, 0), (0, 1), (1, 0))  # (A part, B part) of each pass, 0 = hi, 1 = lo: lo·lo is dropped
 
 BF16 = cutlass.BFloat16
@@ -248,7 +241,6 @@ class KdaFwdIntraTC:
         factor_block: int = FACTOR_BLOCKS[0],
         phase1: str = PHASE1_MODES[0],
         pack: bool = False,
-        tp_store: str = TP_STORE_MODES[0],
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -281,9 +273,6 @@ class KdaFwdIntraTC:
         if pack and "clock" in diag:
             raise ValueError("pack (CULA_KDA_PACK): the clock diagnostic's slots assume γ's unpacked pitch")
         self.pack = pack
-        if tp_store not in TP_STORE_MODES:
-            raise ValueError(f"tp_store (CULA_KDA_TC_TP_STORE): expected one of {TP_STORE_MODES}, got {tp_store!r}")
-        self.tp_store = tp_store  # TP_STORE (pack only)
         # no v loads, prefetches or tile and no u product or store: t_out, or the diagnostic that times it
         self.skip_vu = t_out or "no_v_u" in self.diag
         self.clock = "clock" in self.diag  # phase timestamps (CLOCK_STAMPS), the outputs unchanged
@@ -1194,7 +1183,7 @@ class KdaFwdIntraTC:
                     tv[c] = F32(0.0)
             obf.store(tv.load().to(BF16))
             _st8(tb_layout, tb_raw, (ti, j0, 0), obf)
-            if cutlass.const_expr(self.pack and self.tp_store == "scatter"):
+            if cutlass.const_expr(self.pack):
                 # T' below the diagonal into the Aqk staging, transposed (its Aqk half is zero there): element
                 # (j, ti) of the 128-byte-swizzled staging is at j*64 + ((ti/8) ^ (j%8))*8 + ti%8, and j % 8 is c
                 # here (j0 is a multiple of 8: layout_facts "aqk_staging_offsets")
@@ -1210,8 +1199,6 @@ class KdaFwdIntraTC:
                 obf.store(tv.load().to(BF16))
                 cute.autovec_copy(obf, _vec(pQG + HV * R * DK, (hv * R + row0 + ti) * CHUNK + j0, 8))
         if cutlass.const_expr(self.pack):
-            if cutlass.const_expr(self.tp_store == "stmatrix"):
-                self.store_tp_packed(sT, sBeta, aqk_raw, warp, lane)
             if tidx % tpr == 0:  # T''s diagonal (formed as above: T_ii β_i), after γ in γ's row
                 p_diag = cute.recast_ptr(pGam, dtype=BF16) + ((hv * NC + chunk) * GAM_PITCH_PACK + DK) * 2
                 _vec(p_diag, ti, 1)[0] = (sT[ti, ti] * sBeta[ti]).to(BF16)
@@ -1282,62 +1269,6 @@ class KdaFwdIntraTC:
                 ts[CLOCK_SLOTS - 1] = smid().to(cutlass.Int64)
                 base = cute.recast_ptr(pGam, dtype=cutlass.Int64) + (HV * NC * DK) // 2
                 cute.autovec_copy(ts, _vec(base, (hv * NC + chunk) * CLOCK_SLOTS, CLOCK_SLOTS))
-
-    @cute.jit
-    def store_tp_packed(self, sT: cute.Tensor, sBeta: cute.Tensor, aqk_raw: cute.Pointer, warp, lane):
-        """pack (TP_STORE "stmatrix"): T' = T diag(β) below its diagonal into the Aqk staging (``aqk_raw``: its
-        unswizzled start), transposed: P[j, i] = T'[i, j] for i > j, where Aqk's half of the tile is zero. Of T''s
-        16 x 16 blocks (I, J), I >= J, warp w takes the diagonal one (w, w) and one or two of the six below it:
-        (1, 0), (2, 0), (2, 1), (3, 0) for warps 0-3, then (3, 1), (3, 2) for warps 0-1 (warps 2-3 form a block's values
-        again, in bounds, and store nothing). Each lane forms its fragment elements of a block's four 8 x 8s (rows
-        a = lane / 4, columns 2 (lane % 4) + e) from sT and β, every block's before any store (each a chain of
-        loads the next would otherwise wait behind). A block below the diagonal leaves whole by ``stmatrix
-        .x4.trans``; the diagonal one by its lower-left 8 x 8 (``.x1``) and the strictly lower elements of its two
-        diagonal 8 x 8s as scalars (its upper-right 8 x 8 is Aqk's). Element (r, c) of the 128-byte-swizzled
-        staging is at r * 64 + ((c / 8) ^ (r % 8)) * 8 + c % 8 (layout_facts "aqk_staging_offsets")."""
-        a = lane // 4
-        b2 = (lane % 4) * 2
-        lrow = lane % 8  # this lane's line of its matrix (stmatrix addresses)
-        lmat = lane // 8
-        base = aqk_raw.toint()
-        blocks = ((warp, warp), (1 + (warp + 1) // 2, cutlass.Int32(warp == 2)),
-                  (cutlass.Int32(3), warp + 1 - warp // 2))
-        frag = cute.make_rmem_tensor(cute.make_layout((8, 3), stride=(1, 8)), BF16)  # (2 k + e, block)
-        frag32 = cute.make_tensor(cute.recast_ptr(frag.iterator, dtype=cutlass.Int32),
-                                  cute.make_layout((4, 3), stride=(1, 4)))
-        t2 = cute.make_rmem_tensor(cute.make_layout(2), F32)
-        be2 = cute.make_rmem_tensor(cute.make_layout(2), F32)
-        for s in cutlass.range_constexpr(3):
-            bi, bj = blocks[s]
-            for k in cutlass.range_constexpr(4):
-                if cutlass.const_expr(s != 0 or k != 2):  # (the diagonal block's upper 8 x 8 stays Aqk's)
-                    i = 16 * bi + 8 * (k % 2) + a
-                    j = 16 * bj + 8 * (k // 2) + b2
-                    cute.autovec_copy(_vec(sT.iterator, i * PAD + j, 2), t2)
-                    cute.autovec_copy(_vec(sBeta.iterator, j, 2), be2)
-                    frag[2 * k, s] = (t2[0] * be2[0]).to(BF16)
-                    frag[2 * k + 1, s] = (t2[1] * be2[1]).to(BF16)
-        # the diagonal block: its lower-left 8 x 8 (matrix 1) whole, lane l < 8 giving P row 16 w + l, columns
-        # 16 w + 8..; then the two diagonal 8 x 8s' elements with i > j
-        stmatrix_x1_trans(base + 2 * ((16 * warp + lrow) * CHUNK + (((2 * warp + 1) ^ lrow) << 3)), frag32[1, 0])
-        for k in cutlass.range_constexpr(0, 4, 3):
-            for e in cutlass.range_constexpr(2):
-                if a > b2 + e:
-                    i = 16 * warp + 8 * (k % 2) + a
-                    j = 16 * warp + 8 * (k // 2) + b2 + e
-                    off = j * CHUNK + (((i >> 3) ^ (j & 7)) << 3) + (i & 7)
-                    cute.make_tensor(aqk_raw + off, cute.make_layout(1))[0] = frag[2 * k + e, 0]
-        # the others: lane l gives line lrow of matrix lmat, P row 16 bj + 8 (lmat / 2) + lrow, its 16-byte piece
-        # of columns 16 bi + 8 (lmat % 2)..
-        for s in cutlass.range_constexpr(1, 3):
-            bi, bj = blocks[s]
-            r = 16 * bj + 8 * (lmat // 2) + lrow
-            addr = base + 2 * (r * CHUNK + (((2 * bi + lmat % 2) ^ lrow) << 3))
-            if cutlass.const_expr(s == 1):
-                stmatrix_x4_trans(addr, frag32[0, s], frag32[1, s], frag32[2, s], frag32[3, s])
-            else:
-                if warp < 2:
-                    stmatrix_x4_trans(addr, frag32[0, s], frag32[1, s], frag32[2, s], frag32[3, s])
 
     @cute.jit
     def invert(self, sA: cute.Tensor, sT: cute.Tensor, sY: cute.Tensor, warp, lane, tidx, b_raw: cute.Pointer,
@@ -1733,8 +1664,6 @@ def compile_targets():
         "t_out_block32_tma_qk": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_qk"),
         # the packed [Aqk | T'] tile (kda_fwd.PACK) on the default stage 1
         "t_out_block32_pack": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True),
-        "t_out_block32_pack_scatter": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
-                                            tp_store="scatter"),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them

@@ -63,15 +63,6 @@ RECUR_VARIANT = __import__("os").environ.get("CULA_KDA_RECUR_VARIANT", "v2")  # 
 #: packing Aqk and T' into one 64 x 64 tile would save stage 2 in DRAM traffic (session 29).
 RECUR_DIAG_OPTIONS = ("half_at",)
 RECUR_DIAG = tuple(x for x in __import__("os").environ.get("CULA_KDA_RECUR_DIAG", "").split(",") if x)
-#: t_in: the order of v_newᵀ = vᵀ T'ᵀ + Sᵀ(-w)ᵀ's two products in their accumulator. "vt_first" (session 17): vᵀ T'ᵀ
-#: heads the chunk; with pack the math threads mask the next chunk's copies of the packed tile while groups 3-4
-#: run (after waiting for its loads) and an item's first chunk at its start. "sw_first" (session 30): Sᵀ(-w)ᵀ is
-#: issued first (it reads no packed tile) and, with pack, the chunk's own copies are masked while it runs, then
-#: vᵀ T'ᵀ accumulates onto it: no wait for the next chunk, nothing masked on the chain after an item's start (with
-#: two stages, the state buffer's, the next chunk lands just before it is needed). The sums differ in rounding:
-#: ``CULA_KDA_RECUR_ORDER=sw_first`` applies to the packed and unpacked paths alike.
-ORDER_MODES = ("vt_first", "sw_first")
-ORDER = __import__("os").environ.get("CULA_KDA_RECUR_ORDER", ORDER_MODES[0])
 V2_STAGES = int(__import__("os").environ.get("CULA_KDA_RECUR_STAGES", "3"))  # env: A/B runs (2 frees 66 KB)
 V2_MATH_THREADS = 128  # warpgroup 0: every wgmma, the element-wise work and the o stores
 V2_TMA_WARP = 4  # the fifth warp issues the TMA loads; it holds no accumulators
@@ -89,9 +80,12 @@ V2_O_VECS = CHUNK * V2_O_ROWS // 8 // 32  # 16-byte vectors per lane per chunk (
 # bit 2 of tt is set: the 2-byte writes of tokens 0, 2, 4, 6 (or 1, 3, 5, 7) and the 16-byte reads of 8
 # consecutive tokens both land on distinct banks (layout_facts counts them).
 V2_O_PITCH_COMPACT = V2_O_ROWS
-# (t_in's vᵀ T'ᵀ heads each chunk's chain, 4 k-steps before Sᵀ(-w)ᵀ. Issuing it a chunk early, while the threads
-# convert Sᵀ to bf16, is what would hide them, but ptxas then serialises the wgmma pipeline (C7514/C7517: the
-# conversions read accumulator registers while a wgmma is in flight), so it stays at the chunk's start.)
+# (t_in: v_newᵀ = Sᵀ(-w)ᵀ + vᵀ T'ᵀ in one accumulator, Sᵀ(-w)ᵀ issued first since session 30: with pack, the chunk's
+# copies of the packed tile are masked while it runs, and vᵀ T'ᵀ follows; the other order, vᵀ T'ᵀ first with the
+# next chunk masked during groups 3-4 after a wait for its loads, is at cb69c30 (CULA_KDA_RECUR_ORDER=vt_first):
+# measured the same unpacked, stage 2 +1 to +5% packed (kda_fwd_log.md, session 30). Issuing vᵀ T'ᵀ a chunk early,
+# while the threads convert Sᵀ to bf16, would hide it, but ptxas then serialises the wgmma pipeline (C7514/C7517:
+# the conversions read accumulator registers while a wgmma is in flight).)
 #: The math warps, once an item's state is in registers, ask L2 for the state tile of the CTA's next
 #: item (32 KB: 2 lines per thread), so that item does not start with a DRAM round trip (varlen
 #: batches chain ~20 short items per CTA). ``CULA_KDA_RECUR_H0_PREFETCH=0`` turns it off for A/B runs.
@@ -167,8 +161,7 @@ class KdaFwdRecur:
 
     def __init__(self, has_initial_state: bool, output_final_state: bool, state_v_first: bool,
                  variant: str | None = None, h0_prefetch: bool | None = None, pdl: bool | None = None,
-                 state_smem: bool = False, t_in: bool = False, diag: tuple = (), pack: bool = False,
-                 order: str = ORDER_MODES[0]):
+                 state_smem: bool = False, t_in: bool = False, diag: tuple = (), pack: bool = False):
         unknown = [d for d in diag if d not in RECUR_DIAG_OPTIONS]
         if unknown:
             raise ValueError(f"diag (CULA_KDA_RECUR_DIAG): expected names from {RECUR_DIAG_OPTIONS}, got {unknown}")
@@ -196,16 +189,11 @@ class KdaFwdRecur:
         # packed [Aqk | T'] (kda_fwd.PACK; stage 1 built with pack): one [64, 64] tile a chunk, Aqk on and below
         # the diagonal, T' transposed above it, T''s diagonal after γ. It is loaded twice, into the Aqk tile (read
         # K-major, as unpacked) and into a T' tile read MN-major (B = the tile's transpose); the math warps zero
-        # each copy's other half (and set T''s diagonal) for the next chunk while this chunk's last products run
-        # (mask_packed; an item's first chunk at its start).
+        # each copy's other half (and set T''s diagonal) while the chunk's first product, Sᵀ(-w)ᵀ, runs
+        # (mask_packed).
         if pack and not t_in:
             raise ValueError("pack (CULA_KDA_PACK): needs t_in (u in stage 2), got t_in=False")
         self.pack = pack
-        if order not in ORDER_MODES:
-            raise ValueError(f"order (CULA_KDA_RECUR_ORDER): expected one of {ORDER_MODES}, got {order!r}")
-        if order != ORDER_MODES[0] and not t_in:
-            raise ValueError(f"order {order!r} (CULA_KDA_RECUR_ORDER): needs t_in (u in stage 2), got t_in=False")
-        self.sw_first = order == "sw_first"  # ORDER
         self.gam_pitch = GAM_PITCH_PACK if pack else DK
         self.o_pitch = V2_O_PITCH_COMPACT if t_in else V2_O_PITCH
         self.aqk_cols = 2 * CHUNK if t_in and not pack else CHUNK  # a chunk's Aqk (| T') box
@@ -734,7 +722,6 @@ class KdaFwdRecur:
             tx_count=self.tx_bytes_v2,
             defer_sync=True,
         )
-        full_bars = storage.bars.data_ptr()  # the pipeline's full barriers come first (pack waits on the next one)
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()  # the CTA's only full barrier: the mbarriers are initialised
         sW = storage.sW.get_tensor(w_layout.outer, swizzle=w_layout.inner)
@@ -879,26 +866,20 @@ class KdaFwdRecur:
                 for ci in cutlass.range(n_chunks, unroll=1):
                     pipe.consumer_wait(cons)
                     st = cons.index
-                    if cutlass.const_expr(self.pack and not self.sw_first):
-                        if ci == 0:  # an item's first chunk: its copies masked now (on the chain)
-                            self.mask_packed(aqk_raw, tp_raw, gam_bf16, st, tidx)
-                    # group 1: Sᵀ wᵀ, the head of the chain through the chunk (t_in: after vᵀ T'ᵀ, into the same
-                    # accumulator, so it is v_newᵀ itself); group 2: oᵀ = Sᵀ qgᵀ, off the chain, keeps the tensor
-                    # pipe busy while v_new is formed
-                    nvalid = seq_end - (bos + ci * CHUNK)
-                    if cutlass.const_expr(self.t_in and not self.sw_first):
-                        self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, st, nvalid, False, tidx)
+                    # group 1: Sᵀ wᵀ, the head of the chain through the chunk (t_in: Sᵀ(-w)ᵀ, then vᵀ T'ᵀ onto it in
+                    # the same accumulator, so it is v_newᵀ itself; with pack, the copies of the packed tile masked
+                    # while Sᵀ(-w)ᵀ runs); group 2: oᵀ = Sᵀ qgᵀ, off the chain, keeps the tensor pipe busy while
+                    # v_new is formed
                     warpgroup.fence()
-                    mma_n64.set(warpgroup.Field.ACCUMULATE, self.t_in and not self.sw_first)
+                    mma_n64.set(warpgroup.Field.ACCUMULATE, False)
                     for kb in cutlass.range_constexpr(cute.size(rS, mode=[2])):
                         cute.gemm(mma_n64, acc_vt, rS[None, None, kb], rB_w[None, None, kb, st], acc_vt)
                         mma_n64.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.commit_group()
-                    if cutlass.const_expr(self.sw_first):
-                        # while Sᵀ(-w)ᵀ runs: this chunk's copies of the packed tile masked, then vᵀ T'ᵀ onto it
+                    if cutlass.const_expr(self.t_in):
                         if cutlass.const_expr(self.pack):
                             self.mask_packed(aqk_raw, tp_raw, gam_bf16, st, tidx)
-                        self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, st, nvalid, True, tidx)
+                        self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, st, seq_end - (bos + ci * CHUNK), tidx)
                     mma_n64.set(warpgroup.Field.ACCUMULATE, False)
                     for kb in cutlass.range_constexpr(cute.size(rS, mode=[2])):
                         cute.gemm(mma_n64, acc_ot, rS[None, None, kb], rB_qg[None, None, kb, st], acc_ot)
@@ -930,13 +911,6 @@ class KdaFwdRecur:
                     for kb in cutlass.range_constexpr(cute.size(rV, mode=[2])):
                         cute.gemm(mma_n64, acc_ot, rV[None, None, kb], rB_aqk[None, None, kb, st], acc_ot)
                     warpgroup.commit_group()
-                    if cutlass.const_expr(self.pack and not self.sw_first):
-                        # while groups 3-4 run: the next chunk's stage, once landed, masked (off the chain)
-                        nxt = (st + 1) % self.stages
-                        nxt_phase = cons.phase ^ cutlass.Int32(st == self.stages - 1)
-                        if ci + 1 < n_chunks:
-                            cute.arch.mbarrier_wait(full_bars + nxt, nxt_phase)
-                            self.mask_packed(aqk_raw, tp_raw, gam_bf16, nxt, tidx)
                     warpgroup.wait_group(0)
                     pipe.consumer_release(cons)
                     cons.advance()
@@ -1055,15 +1029,15 @@ class KdaFwdRecur:
             b_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1), (BV, CHUNK))
 
     @cute.jit
-    def issue_vt(self, acc_vt, rA_v, rB_tp, u_raw, st, nvalid, accumulate: cutlass.Constexpr, tidx):
-        """t_in: acc_vt = vᵀ T'ᵀ of the chunk in stage ``st`` (``nvalid`` of its rows in the sequence; with
-        ``accumulate`` added onto acc_vt), one commit group. A partial chunk's v rows past the sequence's end hold
-        the next sequence's tokens: T' has zero columns there, but 0 x Inf is not 0, so they are zeroed first."""
+    def issue_vt(self, acc_vt, rA_v, rB_tp, u_raw, st, nvalid, tidx):
+        """t_in: acc_vt += vᵀ T'ᵀ of the chunk in stage ``st`` (``nvalid`` of its rows in the sequence), one commit
+        group. A partial chunk's v rows past the sequence's end hold the next sequence's tokens: T' has zero columns
+        there, but 0 x Inf is not 0, so they are zeroed first."""
         if nvalid < CHUNK:
             self.zero_v_rows(u_raw, st, nvalid, tidx)
         mma_t = self.make_mma_t()  # its own: a TiledMma's ACCUMULATE field is SSA state of one region
         warpgroup.fence()
-        mma_t.set(warpgroup.Field.ACCUMULATE, accumulate)
+        mma_t.set(warpgroup.Field.ACCUMULATE, True)
         for kb in cutlass.range_constexpr(cute.size(rA_v, mode=[2])):
             cute.gemm(mma_t, acc_vt, rA_v[None, None, kb, st], rB_tp[None, None, kb + self.tp_k0, st], acc_vt)
             mma_t.set(warpgroup.Field.ACCUMULATE, True)
@@ -1196,9 +1170,6 @@ def compile_targets():
     targets["v2_t_in_pack_no_state"] = build(has_initial_state=False, output_final_state=False, state_v_first=False,
                                              variant="v2", t_in=True, pack=True)
     targets["v2_t_in_pack_state_smem"] = build(**full, variant="v2", state_smem=True, t_in=True, pack=True)
-    # ORDER "sw_first": unpacked, packed, packed with the state buffer
-    for name, extra in (("", {}), ("_pack", {"pack": True}), ("_pack_state_smem", {"pack": True, "state_smem": True})):
-        targets[f"v2_t_in{name}_sw_first"] = build(**full, variant="v2", t_in=True, order="sw_first", **extra)
     return targets
 
 
