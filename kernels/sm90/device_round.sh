@@ -325,8 +325,8 @@ for s in $steps; do
         # then, none since 2e1b3cc) against none, 33 and 132, then the default again (~110 s; AOT pf*_split)
         mode_splits pf_tma default pf0 pf33 pf132 default ;;
     pack)  # session 29: Aqk and T' packed into one 64 x 64 tile a chunk (CULA_KDA_PACK=1; 8 KB a chunk and value
-        # head fewer written by stage 1 and read by stage 2; by default for sequences of more than 7 chunks on average): one
-        # case first (a hang costs 45 s), the nine checks (the scratch taken apart against the emulation), the GPU
+        # head fewer written by stage 1 and read by stage 2; by default for sequences of more than 7 chunks on
+        # average): one case first (a hang costs 45 s), the nine checks (the scratch taken apart against the emulation), the GPU
         # test (bitwise the unpacked path), then unpacked / packed splits twice (<= 260 s; AOT pack_checks,
         # unpacked_split, pack_split)
         step pack_sanity 45 env CULA_KDA_PACK=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
