@@ -791,7 +791,7 @@ def test_gpu_tma_phase1_equals_the_one_before_and_ignores_later_sequences(monkey
 
 #: The GPU test's cases for PACK: fixed, GVA V-first, varlen with zero-length and partial chunks, a long random
 #: varlen batch with many items per stage-2 CTA, the softplus gate, a log-space gate, and short items with
-#: zero-length ones between them (an item's last chunk masks the CTA's next item's first: none after an empty item)
+#: zero-length ones between them (~15 items a stage-2 CTA, some without chunks)
 PACK_CASES = ["tc-T1", "tc-T65-gva-vfirst", "tc-T1000-negeig", "tc-varlen-zero", "tc-softplus-varlen-zero",
               "tc-loggate-safe-varlen", "big-varlen", "short-zero-varlen"]
 #: 60 sequences of 0-200 tokens, a third of them empty: ~15 items per stage-2 CTA at 16 heads
