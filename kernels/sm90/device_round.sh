@@ -326,9 +326,9 @@ for s in $steps; do
         mode_splits pf_tma default pf0 pf33 pf132 default ;;
     pack)  # session 29: Aqk and T' packed into one 64 x 64 tile a chunk (CULA_KDA_PACK=1; 8 KB a chunk and value
         # head fewer written by stage 1 and read by stage 2; by default for sequences of more than 7 chunks on
-        # average): one case first (a hang costs 45 s), the nine checks (the scratch taken apart against the emulation), the GPU
-        # test (bitwise the unpacked path), then unpacked / packed splits twice (<= 260 s; AOT pack_checks,
-        # unpacked_split, pack_split)
+        # average): one case first (a hang costs 45 s), the nine checks (the scratch taken apart against the
+        # emulation), the GPU test (bitwise the unpacked path), then unpacked / packed splits twice (<= 260 s; AOT
+        # pack_checks, unpacked_split, pack_split)
         step pack_sanity 45 env CULA_KDA_PACK=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases tc-T1 || continue
         step pack_check 220 env CULA_KDA_PACK=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
