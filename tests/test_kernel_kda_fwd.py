@@ -1101,6 +1101,9 @@ def test_use_pack_by_length_unless_forced(monkeypatch):
     assert not kda_fwd.use_pack(2, 512)
     monkeypatch.setattr(kda_fwd, "PACK", "1")
     assert kda_fwd.use_pack(20, 84)
+    monkeypatch.setattr(kda_fwd, "PACK", "yes")
+    with pytest.raises(ValueError, match="CULA_KDA_PACK: expected '0' or '1'"):
+        kda_fwd.use_pack(2, 512)
 
 
 def test_ptx_pack():

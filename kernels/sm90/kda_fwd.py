@@ -80,6 +80,8 @@ def use_pack(num_seqs: int, num_chunks: int) -> bool:
     """Whether kda_fwd packs [Aqk | T'] (with u in stage 2): CULA_KDA_PACK if set, else sequences of more than
     PACK_ABOVE_CHUNKS chunks on average (``num_chunks``: the chunk tables' rows, an upper bound for varlen)."""
     if PACK is not None:
+        if PACK not in ("0", "1"):
+            raise ValueError(f"CULA_KDA_PACK: expected '0' or '1' (or unset), got {PACK!r}")
         return PACK == "1"
     return num_chunks > PACK_ABOVE_CHUNKS * max(num_seqs, 1)
 
