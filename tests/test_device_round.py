@@ -159,6 +159,13 @@ def test_s30_sanity_checks_then_the_u_in_recur_and_pack_gpu_tests(tmp_path):
     assert "pack_equals" in cmds[2] and rest == []
 
 
+def test_sanitize_pack_runs_memcheck_packed_then_racecheck_unpacked_and_packed(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "sanitize_pack")
+    tools = [(c.split("--tool ")[1].split()[0], c.split("CULA_KDA_PACK=")[1].split()[0]) for c in cmds]
+    assert tools == [("memcheck", "1"), ("racecheck", "0"), ("racecheck", "1")]
+    assert all("tc-T65-gva-vfirst" in c and "--no-fla" in c for c in cmds)  # two chunks: a chunk after the first
+
+
 def test_pack_premise_splits_the_byte_diagnostics_against_the_default_twice(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "pack_premise")
     assert len(cmds) == 4 and all("--split worst" in c for c in cmds)

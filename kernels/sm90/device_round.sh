@@ -161,6 +161,19 @@ for s in $steps; do
         step kda_racecheck 200 /usr/local/cuda/bin/compute-sanitizer --tool racecheck --report-api-errors no \
             --print-limit 5 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --no-fla --cases tc-T1
         grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard" "$OUT/kda_racecheck.log" | head -5 ;;
+    sanitize_pack)  # session 31: the sanitizers on session 30's stage 2 order (Sᵀ(-w)ᵀ first; the packed tile's
+        # masks between two wgmma groups in flight, behind a named barrier), packed (forced) and unpacked, on a
+        # 2-chunk case (the racecheck of `sanitize` runs one chunk only; AOT pack_checks)
+        step kda_memcheck_pack 150 env CULA_KDA_PACK=1 /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
+            --report-api-errors no --print-limit 5 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --no-fla \
+            --cases tc-varlen-zero,tc-T65-gva-vfirst
+        grep -E "ERROR SUMMARY|Invalid" "$OUT/kda_memcheck_pack.log" | head -5
+        for p in 0 1; do
+            step kda_racecheck_pack$p 200 env CULA_KDA_PACK=$p /usr/local/cuda/bin/compute-sanitizer --tool racecheck \
+                --report-api-errors no --print-limit 5 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench \
+                --no-fla --cases tc-T65-gva-vfirst
+            grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard" "$OUT/kda_racecheck_pack$p.log" | head -5
+        done ;;
     split_worst)  # the time split (stage 1 / stage 2 / host) of the three lowest-ratio suite rows and B2 T16384
         step kda_split_worst 90 python3 -m cula.kernels.sm90.kda_fwd --check --split worst ;;
     dbench)  # decode_bench alone: graph / eager times, kernel-entry host time and the public op's (public_op_us)
