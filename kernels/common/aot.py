@@ -200,6 +200,12 @@ SCENARIOS = {
     # 16 (timing only: what packing the two into one 64 x 64 tile would save at most)
     "pack_premise_split": ("split", {"intra_tc.DIAG": ("no_tp_store",), "recur.RECUR_DIAG": ("half_at",)}),
     **{f"pf{n}_split": ("split", {"intra_tc.PREFETCH_AHEAD": n}) for n in (0, 33, 132)},
+    # device_round l2_order: stage 1's launch order head fastest, chunks reversed (ORDER), its q, k, g loads
+    # evict-first (LOAD_HINT), and both, in the check cases (the GPU test's calls) and the splits
+    **{f"{name}_{w}": (what, settings) for name, settings in (
+        ("head_rev", {"intra_tc.ORDER": "head_rev"}), ("evict_first", {"intra_tc.LOAD_HINT": "evict_first"}),
+        ("head_rev_ef", {"intra_tc.ORDER": "head_rev", "intra_tc.LOAD_HINT": "evict_first"}))
+       for w, what in (("checks", "tc"), ("split", "split"))},
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 
@@ -265,15 +271,15 @@ def _suite_calls(names=("kda", "kda_layer"), **extra):
 
 
 def _split_calls():
-    """``kda_fwd`` calls of ``kda_fwd_check.split`` on its ``worst`` rows, on the meta device: the launch keys
-    depend on shapes and flags only, so no memory is needed for the large rows."""
+    """``kda_fwd`` calls of ``kda_fwd_check.split`` on its ``worst`` and ``l2`` rows, on the meta device: the launch
+    keys depend on shapes and flags only, so no memory is needed for the large rows."""
     import torch
 
     from cula.kernels.sm90 import kda_fwd_check as chk
     from cula.suites.lengths import cu_seqlens_from_lengths, varlen_lengths
 
     dev = torch.device("meta")
-    for shape in chk.SPLIT_WORST:
+    for shape in dict.fromkeys(chk.SPLIT_WORST + chk.SPLIT_L2):
         if isinstance(shape[0], str):
             dist, n, T, H = shape
             B, N = 1, n

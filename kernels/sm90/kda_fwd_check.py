@@ -179,6 +179,12 @@ SPLIT_SMALL = ((1, 512, 64), (2, 512, 64), (1, 1024, 64), (2, 1024, 64))
 SPLIT_PDL = SPLIT_SMALL + ((1, 4096, 64), (1, 16384, 64), (2, 16384, 64), ("uniform", 20, 4096, 64))
 
 
+#: where L2 can carry stage 1's hand-off to stage 2 (session 31, kda_fwd_intra_tc.ORDER): hand-offs of ~33-66 MB
+#: (B1 T512 to B2 T512), the n20 T4096 rows (a tenth of theirs fits), and B2 T16384 (a few chunk columns)
+SPLIT_L2 = ((1, 512, 64), (2, 512, 64), (1, 1024, 64), ("uniform", 20, 4096, 64), ("random", 20, 4096, 64),
+            (2, 16384, 64))
+
+
 #: varlen rows by average chunks per sequence (7, 13, 13, 26): where stage 2's state buffer stops paying
 SPLIT_ITEMS = (("uniform", 20, 8192, 64), ("uniform", 20, 16384, 64), ("uniform", 10, 8192, 64),
                ("uniform", 10, 16384, 64))
@@ -256,10 +262,10 @@ def main(argv: list[str]) -> int:
 
         kf.INTRA_TC = False
         print("stage 1: SIMT only", flush=True)
-    if "--split" in argv:  # --split [varlen | all | worst | small | pdl | items] [--no-h0] [--no-ht]
+    if "--split" in argv:  # --split [varlen | all | worst | small | pdl | l2 | items] [--no-h0] [--no-ht]
         nxt = argv[argv.index("--split") + 1] if argv.index("--split") + 1 < len(argv) else ""
         sets = {"varlen": SPLIT_VARLEN, "all": SPLIT_FIXED + SPLIT_VARLEN, "worst": SPLIT_WORST,
-                "small": SPLIT_SMALL, "pdl": SPLIT_PDL,
+                "small": SPLIT_SMALL, "pdl": SPLIT_PDL, "l2": SPLIT_L2,
                 "items": SPLIT_ITEMS}
         split(dev, sets.get(nxt, SPLIT_FIXED), initial="--no-h0" not in argv, final="--no-ht" not in argv)
         return 0

@@ -52,6 +52,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from cula.kernels.common.l2_policy import evict_first_policy
 from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
 from cula.kernels.common.sm_clock import clock64, smid
 from cula.kernels.common.wgmma_frag import a_operand_layout
@@ -171,6 +172,19 @@ SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
 #: best, +1 to +3% on the n20 rows; kda_fwd.md.)
 PHASE1_MODES = ("tma_g_first", "tma_qkg", "tma_qk", "lean", "pre26")
 PHASE1 = __import__("os").environ.get("CULA_KDA_TC_PHASE1", PHASE1_MODES[0])
+#: The order the CTAs are launched in (session 31). "chunk": chunk fastest, then value head (grid [NC, HV]), so the
+#: last CTAs are the last heads' chunks, all sequences. "head_rev": value head fastest, the chunks last to first
+#: (grid [HV, NC]), so the last CTAs are the first chunks of the first sequences, every head: what stage 2 (its
+#: items walk the sequences in order, every head at once) reads first, still in L2 when it starts. Stage 1's hand-off
+#: is 64.5 KB a (chunk, head) against ~50 MB of L2: a few chunk columns of a long row, a tenth of the n20 T4096 rows'
+#: and most of the B1 T512-T1024 rows'. The outputs are the same. ``CULA_KDA_TC_ORDER=head_rev`` for A/B.
+ORDER_MODES = ("chunk", "head_rev")
+ORDER = __import__("os").environ.get("CULA_KDA_TC_ORDER", ORDER_MODES[0])
+MAX_GRID_Y = 65535  # "head_rev" launches [HV, NC]: longer inputs keep "chunk" (kda_fwd)
+#: L2 priority of the q, k, g TMA loads (session 31): "" (normal) or "evict_first" (read once: the lines L2 keeps at
+#: stage 1's end are then more of its hand-off). ``CULA_KDA_TC_LOAD_HINT=evict_first`` for A/B.
+LOAD_HINTS = ("", "evict_first")
+LOAD_HINT = __import__("os").environ.get("CULA_KDA_TC_LOAD_HINT", LOAD_HINTS[0])
 #: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
 #: kda_fwd warns): which part of stage 1's time is memory. They apply to whichever stage 1 is the default
 #: (since session 18 u in stage 2's, ``t_out``). ``l2_loads``: every CTA reads its head's first rows (L2 hits
@@ -241,6 +255,8 @@ class KdaFwdIntraTC:
         factor_block: int = FACTOR_BLOCKS[0],
         phase1: str = PHASE1_MODES[0],
         pack: bool = False,
+        order: str = ORDER_MODES[0],
+        load_hint: str = LOAD_HINTS[0],
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -308,6 +324,12 @@ class KdaFwdIntraTC:
         self.use_beta_sigmoid = use_beta_sigmoid
         self.beta_mult = 2.0 if allow_neg_eigval else 1.0
         self.group = group  # HV // H
+        if order not in ORDER_MODES:
+            raise ValueError(f"order (CULA_KDA_TC_ORDER): expected one of {ORDER_MODES}, got {order!r}")
+        self.order = order  # ORDER
+        if load_hint not in LOAD_HINTS:
+            raise ValueError(f"load_hint (CULA_KDA_TC_LOAD_HINT): expected one of {LOAD_HINTS}, got {load_hint!r}")
+        self.load_hint = load_hint  # LOAD_HINT
 
     # ------------------------------------------------------------------------------ host side --
     @cute.jit
@@ -391,8 +413,32 @@ class KdaFwdIntraTC:
             self.a_layout, self.kt_layout, kb_layouts[0], kb_layouts[1], kb_layouts[2], self.x_layout,
             self.tb_layout, self.w_layout, self.aqk_layout,
             num_heads, HV, NC, scale, lower_bound,
-        ).launch(grid=[NC, HV, 1], block=[THREADS, 1, 1], stream=stream,
+        ).launch(grid=self.grid(NC, HV), block=[THREADS, 1, 1], stream=stream,
                  smem=self.launch_smem(SharedStorage.size_in_bytes()), min_blocks_per_mp=CTAS_PER_SM)
+
+    def grid(self, NC, HV) -> list:
+        """The launch grid of ``order``: one CTA per (chunk, value head); "head_rev" needs NC <= MAX_GRID_Y."""
+        return [HV, NC, 1] if self.order == "head_rev" else [NC, HV, 1]
+
+    @cute.jit
+    def launch_coords(self, pos, HV, NC):
+        """(chunk, value head) of the CTA at launch position ``pos`` (0 first) under ``order``."""
+        hv = pos // NC
+        chunk = pos - hv * NC
+        if cutlass.const_expr(self.order == "head_rev"):
+            q = pos // HV
+            hv = pos - q * HV
+            chunk = NC - 1 - q
+        return chunk, hv
+
+    @cute.jit
+    def my_coords(self, HV, NC):
+        """(chunk, value head) of this CTA (read off the grid's two dimensions: a division here cost 19 registers)."""
+        bx, by, _ = cute.arch.block_idx()
+        chunk, hv = bx, by
+        if cutlass.const_expr(self.order != "chunk"):
+            chunk, hv = NC - 1 - by, bx
+        return chunk, hv
 
     def g_by_tma(self, g_dtype) -> bool:
         """phase1 "tma_qkg" / "tma_g_first" bring a bf16 gate by TMA only: an fp32 one keeps the per-thread loads."""
@@ -478,7 +524,7 @@ class KdaFwdIntraTC:
         if cutlass.const_expr(self.pdl_trigger == "start"):
             cute.arch.griddepcontrol_launch_dependents()
         # The sync-free varlen tables end in dummy chunks (nvalid = 0) that nobody reads: leave at once.
-        chunk, _, _ = cute.arch.block_idx()
+        chunk, _ = self.my_coords(HV, NC)
         chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
         if chunks[chunk, 1] > 0:
             self.chunk_body(
@@ -521,12 +567,14 @@ class KdaFwdIntraTC:
     def prefetch_later_chunk(self, pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pG: cute.Pointer,
                              pChunks: cute.Pointer, tidx, chunk, hv, H, HV, NC):
         """Ask L2 for the q, k, v, g rows of the CTA ``prefetch_for`` places later in launch order
-        (chunk fastest, then head). Thread t takes row t % 64: q and k for t < 64, v and g otherwise,
-        every 128-byte line of each row."""
-        nxt = hv * NC + chunk + self.prefetch_for(pG.dtype)
+        (``order``). Thread t takes row t % 64: q and k for t < 64, v and g otherwise, every 128-byte line of
+        each row."""
+        nxt = hv * NC + chunk + self.prefetch_for(pG.dtype)  # this CTA's launch position, chunk fastest
+        if cutlass.const_expr(self.order != "chunk"):
+            bx, by, _ = cute.arch.block_idx()
+            nxt = by * HV + bx + self.prefetch_for(pG.dtype)
         if nxt < HV * NC:
-            hv_n = nxt // NC
-            c_n = nxt - hv_n * NC
+            c_n, hv_n = self.launch_coords(nxt, HV, NC)
             later = cute.make_tensor(pChunks, cute.make_layout((c_n + 1, 2), stride=(2, 1)))
             row = tidx % CHUNK
             if row < later[c_n, 1]:
@@ -687,7 +735,7 @@ class KdaFwdIntraTC:
             ts = cute.make_rmem_tensor(cute.make_layout(CLOCK_SLOTS), cutlass.Int64)
             ts.fill(0)
         self.stamp(ts, "entry", tidx)
-        chunk, hv, _ = cute.arch.block_idx()
+        chunk, hv = self.my_coords(HV, NC)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
         grp = tidx // 16  # row group: rows rpt grp .. + rpt - 1 (block grp // 2 = warp)
@@ -806,7 +854,11 @@ class KdaFwdIntraTC:
                                           (None, 0))
                     ts_x, tg_x = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(s_x, 0, 2),
                                                        cute.group_modes(g_x, 0, 2))
-                    cute.copy(tma_x, tg_x[None, 0], ts_x[None, 0], tma_bar_ptr=bar)
+                    if cutlass.const_expr(self.load_hint == "evict_first"):
+                        cute.copy(tma_x, tg_x[None, 0], ts_x[None, 0], tma_bar_ptr=bar,
+                                  cache_policy=evict_first_policy())
+                    else:
+                        cute.copy(tma_x, tg_x[None, 0], ts_x[None, 0], tma_bar_ptr=bar)
         for rr in cutlass.range_constexpr(rpt):
             tok = tok0 + cutlass.min(r0 + rr, nvalid - 1)
             if cutlass.const_expr("l2_loads" in self.diag):  # timing only: the head's first rows, L2 hits
@@ -1664,6 +1716,12 @@ def compile_targets():
         "t_out_block32_tma_qk": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_qk"),
         # the packed [Aqk | T'] tile (kda_fwd.PACK) on the default stage 1
         "t_out_block32_pack": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True),
+        # the packed default with the launch order head fastest, chunks reversed (ORDER) and q, k, g loaded
+        # evict-first (LOAD_HINT)
+        "t_out_block32_pack_head_rev": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
+                                             order="head_rev"),
+        "t_out_block32_pack_evict_first": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
+                                                load_hint="evict_first"),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
