@@ -176,6 +176,14 @@ def test_l2_order_sanity_first_then_the_bitwise_test_and_the_l2_splits(tmp_path)
     assert mode == [0, 1, 2, 3, 0, 3]
 
 
+def test_s31_sanity_checks_the_three_gpu_tests_then_chunk_against_the_default(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "s31")
+    rest = new_kernel_head(cmds, "CULA_KDA", True, "order_equals")  # the defaults, nothing forced
+    assert "u_in_recur" in cmds[2] and "pack_equals" in cmds[2]
+    assert len(rest) == 2 and all("--split l2" in c for c in rest)
+    assert ["CULA_KDA_TC_ORDER=chunk" in c for c in rest] == [True, False]
+
+
 def test_pack_premise_splits_the_byte_diagnostics_against_the_default_twice(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "pack_premise")
     assert len(cmds) == 4 and all("--split worst" in c for c in cmds)

@@ -129,8 +129,7 @@ def test_supports_reports_not_validated_on_cpu():
                                                ("intra_tc_t_out_block32_lean", True),
                                                ("intra_tc_t_out_block32_tma_qk", True),
                                                ("intra_tc_t_out_block32_tma_qkg", True),
-                                               ("intra_tc_t_out_block32_pack_head_rev", True),
-                                               ("intra_tc_t_out_block32_pack_evict_first", True)])
+                                               ("intra_tc_t_out_block32_pack_chunk", True)])
 def test_ptx_compiles_clean(target, needs_wgmma):
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
@@ -844,17 +843,13 @@ def test_gpu_pack_equals_unpacked(name, monkeypatch):
     assert torch.equal(o_g, o_ref)
 
 
-ORDER_HINT_MODES = [("head_rev", ""), ("chunk", "evict_first"), ("head_rev", "evict_first")]
-
-
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("order,hint", ORDER_HINT_MODES)
-def test_gpu_order_and_hint_equal_default(order, hint, monkeypatch):
-    """Stage 1's launch order (ORDER: "head_rev" maps the grid [HV, NC] to (chunk NC - 1 - y, head x)) and its
-    loads' L2 priority (LOAD_HINT) change which CTA does which item and when, not what it computes: the scratch,
-    o and the final state are bitwise the default's, on short, long (packed) and varlen inputs with zero-length
-    and dummy chunks."""
+def test_gpu_order_equals_chunk_order(monkeypatch):
+    """Stage 1's launch order (ORDER: the default "head_rev" maps the grid [HV, NC] to (chunk NC - 1 - y, head x);
+    "chunk", the order before session 31, [NC, HV] to (x, y)) changes which CTA does which item and when, not what
+    it computes: the scratch, o and the final state are bitwise the same, on short, long (packed) and varlen inputs
+    with zero-length and dummy chunks."""
     from cula.kernels.sm90 import kda_fwd_check as chk
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
@@ -863,10 +858,8 @@ def test_gpu_order_and_hint_equal_default(order, hint, monkeypatch):
     for name in ("tc-T1", "tc-T65-gva-vfirst", "tc-T1000-negeig", "tc-varlen-zero", "tc-varlen-33"):
         args, kw = chk._inputs(*next(c for c in chk.CASES if c[0] == name), dev=dev)
         monkeypatch.setattr(intra_tc, "ORDER", "chunk")
-        monkeypatch.setattr(intra_tc, "LOAD_HINT", "")
         o_ref, ht_ref, scr_ref = kda_fwd.kda_fwd(*args, **kw, return_scratch=True)
-        monkeypatch.setattr(intra_tc, "ORDER", order)
-        monkeypatch.setattr(intra_tc, "LOAD_HINT", hint)
+        monkeypatch.setattr(intra_tc, "ORDER", "head_rev")
         o, ht, scr = kda_fwd.kda_fwd(*args, **kw, return_scratch=True)
         torch.cuda.synchronize()
         for n in scr_ref:
@@ -876,32 +869,30 @@ def test_gpu_order_and_hint_equal_default(order, hint, monkeypatch):
 
 
 def test_order_head_rev_launches_heads_fastest_and_chunks_last_to_first(monkeypatch):
-    """The launch-order contract the GPU test relies on, on the CPU: "head_rev" is a [HV, NC] grid; every order's
-    flags are validated; the host asks for "head_rev" only while NC fits the grid's y limit (65535)."""
+    """The launch-order contract the GPU test relies on, on the CPU: "head_rev" (the default) is a [HV, NC] grid;
+    orders are validated; the host keeps it only while NC fits the grid's y limit (65535), and asks for "chunk"
+    beyond."""
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
+    flags = dict(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
+                 allow_neg_eigval=False, group=1, t_out=True)
+    assert intra_tc.ORDER_MODES[0] == "head_rev" and intra_tc.MAX_GRID_Y == 65535
+    assert intra_tc.KdaFwdIntraTC(**flags).grid(10, 4) == [4, 10, 1]
+    assert intra_tc.KdaFwdIntraTC(**flags, order="chunk").grid(10, 4) == [10, 4, 1]
+    with pytest.raises(ValueError, match="order"):
+        intra_tc.KdaFwdIntraTC(**flags, order="heads")
     calls = record_kda_launches(monkeypatch)
     monkeypatch.setattr(intra_tc, "ORDER", "head_rev")
     meta = torch.device("meta")
-    for T, expect in ((4096, "head_rev"), ((intra_tc.MAX_GRID_Y + 1) * 64, None)):
+    for T, expect in ((4096, None), ((intra_tc.MAX_GRID_Y + 1) * 64, "chunk")):
         x = torch.empty(1, T, 1, 128, device=meta, dtype=torch.bfloat16)
         beta = torch.empty(1, T, 1, device=meta, dtype=torch.bfloat16)
         calls.clear()
         kda_fwd.kda_fwd(x, x, x, x, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                         use_beta_sigmoid_in_kernel=True, A_log=torch.empty(1, device=meta),
                         dt_bias=torch.empty(128, device=meta), lower_bound=-5.0, safe_gate=True)
-        (flags, _), = [key for kind, key, _, _ in calls if kind == "intra_tc"]
-        assert dict(flags).get("order") == expect, T
-
-    flags = dict(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
-                 allow_neg_eigval=False, group=1, t_out=True)
-    assert intra_tc.KdaFwdIntraTC(**flags).grid(10, 4) == [10, 4, 1]
-    assert intra_tc.KdaFwdIntraTC(**flags, order="head_rev").grid(10, 4) == [4, 10, 1]
-    with pytest.raises(ValueError, match="order"):
-        intra_tc.KdaFwdIntraTC(**flags, order="heads")
-    with pytest.raises(ValueError, match="load_hint"):
-        intra_tc.KdaFwdIntraTC(**flags, load_hint="evict_last")
-    assert intra_tc.MAX_GRID_Y == 65535
+        (flags_key, _), = [key for kind, key, _, _ in calls if kind == "intra_tc"]
+        assert dict(flags_key).get("order") == expect, T
 
 
 RECUR_CASES = ["T1", "T15-l2-gate", "T65-gva-vfirst", "T1000-all", "varlen-zero", "varlen-33"]
@@ -1202,28 +1193,20 @@ def test_ptx_pack():
         assert "C7517" not in r.ptxas_log and "C7514" not in r.ptxas_log and "serialized" not in r.ptxas_log
 
 
-def test_ptx_order_and_load_hint():
-    """ORDER "head_rev" reads the two grid indices the other way round and nothing else: the packed default's
-    instructions by kind, the same registers (a division by HV in its place cost 19). LOAD_HINT "evict_first" makes
-    one createpolicy per copy group and puts an L2 cache hint on every TMA load (q, k, g: two boxes each), on none
-    of the stores. No spills."""
+def test_ptx_order():
+    """ORDER "head_rev" (the default) reads the two grid indices the other way round and nothing else: the same
+    instructions by kind as "chunk" and the same registers (a division by HV in its place cost 19). No spills."""
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_reports
 
-    names = ["intra_tc_t_out_block32_pack", "intra_tc_t_out_block32_pack_head_rev",
-             "intra_tc_t_out_block32_pack_evict_first"]
-    base, rev, ef = (ptx_reports("cula.kernels.sm90.kda_fwd", names)[n] for n in names)
-    for r in (base, rev, ef):
+    names = ["intra_tc_t_out_block32_pack", "intra_tc_t_out_block32_pack_chunk"]
+    rev, chunk = (ptx_reports("cula.kernels.sm90.kda_fwd", names)[n] for n in names)
+    for r in (rev, chunk):
         assert r.spill_bytes == 0 and ".local" not in r.ptx
-    for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "st.global", "ld.global", "div.", "rem."):
-        assert rev.count(op) == base.count(op), op
-    assert rev.max_registers == base.max_registers
-    # every bulk copy carries a policy operand (the DSL passes 0 where none is given)
-    loads = base.count("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint")
-    assert loads == 6 and base.count("createpolicy") == 0
-    assert ef.count("createpolicy.fractional.L2::evict_first") == 3
-    assert ef.count("L2::cache_hint") == base.count("L2::cache_hint")
-    assert ef.count("mov.u64") == base.count("mov.u64") - loads  # the loads' zero policies are gone
+    for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "st.global", "ld.global", "div.", "rem.", "%ctaid.x",
+               "%ctaid.y"):
+        assert rev.count(op) == chunk.count(op), op
+    assert rev.max_registers == chunk.max_registers
 
 
 def test_host_path_recur_diag_half_at(monkeypatch):

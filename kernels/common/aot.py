@@ -200,12 +200,10 @@ SCENARIOS = {
     # 16 (timing only: what packing the two into one 64 x 64 tile would save at most)
     "pack_premise_split": ("split", {"intra_tc.DIAG": ("no_tp_store",), "recur.RECUR_DIAG": ("half_at",)}),
     **{f"pf{n}_split": ("split", {"intra_tc.PREFETCH_AHEAD": n}) for n in (0, 33, 132)},
-    # device_round l2_order: stage 1's launch order head fastest, chunks reversed (ORDER), its q, k, g loads
-    # evict-first (LOAD_HINT), and both, in the check cases (the GPU test's calls) and the splits
-    **{f"{name}_{w}": (what, settings) for name, settings in (
-        ("head_rev", {"intra_tc.ORDER": "head_rev"}), ("evict_first", {"intra_tc.LOAD_HINT": "evict_first"}),
-        ("head_rev_ef", {"intra_tc.ORDER": "head_rev", "intra_tc.LOAD_HINT": "evict_first"}))
-       for w, what in (("checks", "tc"), ("split", "split"))},
+    # device_round s31: stage 1 launched in the order before session 31 (ORDER "chunk") in the check cases (the
+    # order GPU test's calls) and the splits, against the default ("head_rev")
+    "order_chunk_checks": ("tc", {"intra_tc.ORDER": "chunk"}),
+    "order_chunk_split": ("split", {"intra_tc.ORDER": "chunk"}),
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 

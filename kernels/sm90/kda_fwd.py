@@ -674,10 +674,9 @@ def kda_fwd(
         block = factor_block(lb, softplus_tc, log_tc)
         if intra_tc.PHASE1 != intra_tc.PHASE1_MODES[0]:
             tc_flags.update(phase1=intra_tc.PHASE1)
-        if intra_tc.ORDER != intra_tc.ORDER_MODES[0] and NC <= intra_tc.MAX_GRID_Y:
-            tc_flags.update(order=intra_tc.ORDER)
-        if intra_tc.LOAD_HINT != intra_tc.LOAD_HINTS[0]:
-            tc_flags.update(load_hint=intra_tc.LOAD_HINT)
+        order = intra_tc.ORDER if NC <= intra_tc.MAX_GRID_Y else "chunk"  # "head_rev"'s grid is [HV, NC]
+        if order != intra_tc.ORDER_MODES[0]:
+            tc_flags.update(order=order)
         if block != intra_tc.FACTOR_BLOCKS[0]:
             tc_flags.update(factor_block=block)
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before

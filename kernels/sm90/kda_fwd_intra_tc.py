@@ -52,7 +52,6 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from cula.kernels.common.l2_policy import evict_first_policy
 from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
 from cula.kernels.common.sm_clock import clock64, smid
 from cula.kernels.common.wgmma_frag import a_operand_layout
@@ -172,19 +171,19 @@ SUBST = __import__("os").environ.get("CULA_KDA_TC_SUBST", "right")
 #: best, +1 to +3% on the n20 rows; kda_fwd.md.)
 PHASE1_MODES = ("tma_g_first", "tma_qkg", "tma_qk", "lean", "pre26")
 PHASE1 = __import__("os").environ.get("CULA_KDA_TC_PHASE1", PHASE1_MODES[0])
-#: The order the CTAs are launched in (session 31). "chunk": chunk fastest, then value head (grid [NC, HV]), so the
-#: last CTAs are the last heads' chunks, all sequences. "head_rev": value head fastest, the chunks last to first
-#: (grid [HV, NC]), so the last CTAs are the first chunks of the first sequences, every head: what stage 2 (its
-#: items walk the sequences in order, every head at once) reads first, still in L2 when it starts. Stage 1's hand-off
-#: is 64.5 KB a (chunk, head) against ~50 MB of L2: a few chunk columns of a long row, a tenth of the n20 T4096 rows'
-#: and most of the B1 T512-T1024 rows'. The outputs are the same. ``CULA_KDA_TC_ORDER=head_rev`` for A/B.
-ORDER_MODES = ("chunk", "head_rev")
+#: The order the CTAs are launched in (session 31). "head_rev" (the default since session 31): value head fastest, the
+#: chunks last to first (grid [HV, NC]), so the CTAs resident together read the same 64 tokens of every head (q, k, g
+#: rows are [token, head, 128]: one contiguous MB a tensor) and the last CTAs are the first chunks of the first
+#: sequences, every head: what stage 2 reads first. "chunk" (before): chunk fastest, then value head (grid [NC, HV]).
+#: The outputs are the same. H100, session 31 (`--split l2` and `all`, twice each in turn): stage 1 −2.1% at B2 T16384
+#: (1.592 -> 1.559 ms; both stages 2.628 -> 2.594), both −1.9% at B1 T1024, −0.4 to −1.3% at B1 / B2 T4096 and on
+#: the n20 T4096 rows, ±0.3% elsewhere (B1 T16384 +0.2%). Stage 2 alone and "both − stage 1" did not move: L2 carries
+#: no measurable share of the hand-off; the gain is stage 1's own reads. (Evict-first q, k, g TMA loads were measured
+#: with it and removed: +0.6% at B2 T16384, stage 1 +3% on the n20 rows; the code is at d71cb43.)
+#: ``CULA_KDA_TC_ORDER=chunk`` for A/B.
+ORDER_MODES = ("head_rev", "chunk")
 ORDER = __import__("os").environ.get("CULA_KDA_TC_ORDER", ORDER_MODES[0])
 MAX_GRID_Y = 65535  # "head_rev" launches [HV, NC]: longer inputs keep "chunk" (kda_fwd)
-#: L2 priority of the q, k, g TMA loads (session 31): "" (normal) or "evict_first" (read once: the lines L2 keeps at
-#: stage 1's end are then more of its hand-off). ``CULA_KDA_TC_LOAD_HINT=evict_first`` for A/B.
-LOAD_HINTS = ("", "evict_first")
-LOAD_HINT = __import__("os").environ.get("CULA_KDA_TC_LOAD_HINT", LOAD_HINTS[0])
 #: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
 #: kda_fwd warns): which part of stage 1's time is memory. They apply to whichever stage 1 is the default
 #: (since session 18 u in stage 2's, ``t_out``). ``l2_loads``: every CTA reads its head's first rows (L2 hits
@@ -256,7 +255,6 @@ class KdaFwdIntraTC:
         phase1: str = PHASE1_MODES[0],
         pack: bool = False,
         order: str = ORDER_MODES[0],
-        load_hint: str = LOAD_HINTS[0],
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -327,9 +325,6 @@ class KdaFwdIntraTC:
         if order not in ORDER_MODES:
             raise ValueError(f"order (CULA_KDA_TC_ORDER): expected one of {ORDER_MODES}, got {order!r}")
         self.order = order  # ORDER
-        if load_hint not in LOAD_HINTS:
-            raise ValueError(f"load_hint (CULA_KDA_TC_LOAD_HINT): expected one of {LOAD_HINTS}, got {load_hint!r}")
-        self.load_hint = load_hint  # LOAD_HINT
 
     # ------------------------------------------------------------------------------ host side --
     @cute.jit
@@ -854,11 +849,7 @@ class KdaFwdIntraTC:
                                           (None, 0))
                     ts_x, tg_x = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(s_x, 0, 2),
                                                        cute.group_modes(g_x, 0, 2))
-                    if cutlass.const_expr(self.load_hint == "evict_first"):
-                        cute.copy(tma_x, tg_x[None, 0], ts_x[None, 0], tma_bar_ptr=bar,
-                                  cache_policy=evict_first_policy())
-                    else:
-                        cute.copy(tma_x, tg_x[None, 0], ts_x[None, 0], tma_bar_ptr=bar)
+                    cute.copy(tma_x, tg_x[None, 0], ts_x[None, 0], tma_bar_ptr=bar)
         for rr in cutlass.range_constexpr(rpt):
             tok = tok0 + cutlass.min(r0 + rr, nvalid - 1)
             if cutlass.const_expr("l2_loads" in self.diag):  # timing only: the head's first rows, L2 hits
@@ -1716,12 +1707,9 @@ def compile_targets():
         "t_out_block32_tma_qk": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, phase1="tma_qk"),
         # the packed [Aqk | T'] tile (kda_fwd.PACK) on the default stage 1
         "t_out_block32_pack": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True),
-        # the packed default with the launch order head fastest, chunks reversed (ORDER) and q, k, g loaded
-        # evict-first (LOAD_HINT)
-        "t_out_block32_pack_head_rev": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
-                                             order="head_rev"),
-        "t_out_block32_pack_evict_first": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
-                                                load_hint="evict_first"),
+        # the packed default launched in the order before session 31 (ORDER "chunk": chunk fastest)
+        "t_out_block32_pack_chunk": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
+                                          order="chunk"),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
