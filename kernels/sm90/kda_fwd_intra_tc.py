@@ -886,22 +886,10 @@ class KdaFwdIntraTC:
             cute.arch.sync_threads()  # the mbarrier's initialisation is visible to every thread
             cute.arch.mbarrier_wait(mbar, 0)
             self.stamp(ts, "tma_wait", tidx)  # q, k (and g) have landed (g_first: g alone)
-            zero8 = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
-            zero8.fill(0.0)
-            if nvalid < CHUNK:  # uniform: a sequence's last chunk only
-                for rr in cutlass.range_constexpr(rpt):
-                    if r0 + rr >= nvalid:  # another sequence's token (or TMA's zeros): this thread's part of it
-                        if cutlass.const_expr(not g_first):
-                            _st8(a_layout, qa_raw, (r0 + rr, d0, 0), zero8)
-                            _st8(a_layout, ka_raw, (r0 + rr, d0, 0), zero8)
-                        if cutlass.const_expr(g_by_tma):
-                            _st8(a_layout, x_raw, (r0 + rr, d0, 0), zero8)
-            for rr in cutlass.range_constexpr(rpt):
-                if cutlass.const_expr(not g_first):
-                    _ld8(a_layout, qa_raw, (r0 + rr, d0, 0), raw_q[rr, None])
-                    _ld8(a_layout, ka_raw, (r0 + rr, d0, 0), raw_k[rr, None])
-                if cutlass.const_expr(g_by_tma):
-                    _ld8(a_layout, x_raw, (r0 + rr, d0, 0), raw_g[rr, None])
+            landed = [] if cutlass.const_expr(g_first) else [(qa_raw, raw_q), (ka_raw, raw_k)]
+            if cutlass.const_expr(g_by_tma):
+                landed.append((x_raw, raw_g))
+            _read_landed_rows(a_layout, landed, nvalid, r0, d0)
         for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
             keep = F32(1.0)
@@ -1028,16 +1016,7 @@ class KdaFwdIntraTC:
                 hx[c] = -hc[c] if cutlass.const_expr(self.t_out) else hc[c]
         if cutlass.const_expr(g_first):  # q and k, waited for only now: their zeroed tail, row sums and norms
             cute.arch.mbarrier_wait(mbar_qk, 0)
-            zero8q = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
-            zero8q.fill(0.0)
-            if nvalid < CHUNK:  # uniform: a sequence's last chunk only
-                for rr in cutlass.range_constexpr(rpt):
-                    if r0 + rr >= nvalid:
-                        _st8(a_layout, qa_raw, (r0 + rr, d0, 0), zero8q)
-                        _st8(a_layout, ka_raw, (r0 + rr, d0, 0), zero8q)
-            for rr in cutlass.range_constexpr(rpt):
-                _ld8(a_layout, qa_raw, (r0 + rr, d0, 0), raw_q[rr, None])
-                _ld8(a_layout, ka_raw, (r0 + rr, d0, 0), raw_k[rr, None])
+            _read_landed_rows(a_layout, [(qa_raw, raw_q), (ka_raw, raw_k)], nvalid, r0, d0)
             for rr in cutlass.range_constexpr(rpt):
                 xq.store(raw_q[rr, None].load().to(F32))
                 xk.store(raw_k[rr, None].load().to(F32))
@@ -1638,6 +1617,24 @@ def _ld8(layout: cute.ComposedLayout, base: cute.Pointer, coord, out: cute.Tenso
     """Load 8 bf16 values at ``coord`` of a swizzled tile (and the 7 after it) into ``out``."""
     off = _swizzled_offset(layout, coord)
     out.store(cute.make_tensor(base + cute.assume(off, divby=8), cute.make_layout(8)).load())
+
+
+@cute.jit
+def _read_landed_rows(layout: cute.ComposedLayout, tiles: list, nvalid, r0, d0):
+    """This thread's rows ``r0 ..`` (columns ``d0 ..``) of the TMA-filled tiles ``tiles`` ((unswizzled start,
+    [rows, 8] register array) pairs) into registers. In a sequence's last chunk (a uniform branch) its part of the
+    rows past the end, another sequence's tokens or TMA's zeros, is zeroed in the tiles first: nothing of another
+    sequence is multiplied by a zero factor later (Inf would make NaN)."""
+    zero8 = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), BF16)
+    zero8.fill(0.0)
+    if nvalid < CHUNK:
+        for rr in cutlass.range_constexpr(ROWS_PER_THREAD):
+            if r0 + rr >= nvalid:
+                for base, _ in tiles:
+                    _st8(layout, base, (r0 + rr, d0, 0), zero8)
+    for rr in cutlass.range_constexpr(ROWS_PER_THREAD):
+        for base, rows in tiles:
+            _ld8(layout, base, (r0 + rr, d0, 0), rows[rr, None])
 
 
 # ------------------------------------------------------------------------------------------------
