@@ -11,7 +11,7 @@ import torch
 
 from _kda_host import record_kda_launches
 from cula.kernels.sm90 import kda_fwd
-from cula.kernels.sm90.kda_fwd_clock import STAMP_NAMES, phase_rows, report, sm_sharing
+from cula.kernels.sm90.kda_fwd_clock import STAMP_NAMES, phase_rows, report, sm_sharing, wait_company
 
 
 def test_phase_rows_are_the_spans_between_stamps():
@@ -39,6 +39,23 @@ def test_sm_sharing_counts_company_idle_time_and_launch_gaps():
     stamps = np.zeros((4, 16), dtype=np.int64)
     stamps[:, 0], stamps[:, len(STAMP_NAMES) - 1] = entry, end
     assert "[clock] per SM: 1.13 CTAs resident" in report(stamps, sm, "t")
+
+
+def test_wait_company_tells_in_step_from_staggered_ctas():
+    # SM 0, in step: A and B both [0, 100), waiting [0, 20); SM 1, staggered: C [0, 100) waits [0, 20), D [50, 150)
+    # waits [50, 70): C is at work through all of D's wait, and nobody through C's (D not yet there)
+    entry = np.array([0, 0, 0, 50])
+    wait_end = np.array([20, 20, 20, 70])
+    end = np.array([100, 100, 100, 150])
+    same = wait_company(entry[:2], wait_end[:2], end[:2], np.array([0, 0]))
+    assert same["wait"] == 1.0 and same["work"] == 0.0 and same["offset"][2] == 0.0
+    apart = wait_company(entry[2:], wait_end[2:], end[2:], np.array([1, 1]))
+    assert apart["work"] == pytest.approx(20 / 40) and apart["wait"] == 0.0
+    assert apart["offset"][2] == pytest.approx(0.5)  # D starts half a life after C
+    stamps = np.zeros((2, 16), dtype=np.int64)
+    stamps[:, 0], stamps[:, STAMP_NAMES.index("tma_wait")], stamps[:, len(STAMP_NAMES) - 1] = entry[2:], \
+        wait_end[2:], end[2:]
+    assert "others on its SM work 50.0% and wait 0.0%" in report(stamps, np.array([1, 1]), "t")
 
 
 def test_host_path_puts_the_stamps_after_gamma(monkeypatch):

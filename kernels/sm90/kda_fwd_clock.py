@@ -10,7 +10,9 @@ after each phase's CTA barrier (``STAMP_NAMES``) and stores the stamps and its S
 - per phase, the cycles since the stamp before it over the chunks (p10, median, p90) and the median's share of
   a chunk's median life: a phase that ends in a barrier includes the wait for its slowest warp;
 - per SM, how the CTAs shared it: the time-weighted number resident, the share of a CTA's life spent beside
-  another CTA, and the cycles between one CTA's end and the next one's start there.
+  another CTA, and the cycles between one CTA's end and the next one's start there;
+- whether the CTAs of an SM run in step: through what share of a CTA's wait for its loads another CTA there works
+  or waits too, and how far apart (as a share of the median life) CTAs start from the one already resident.
 
 Two cautions. The stamps cost ~60 instructions and change ptxas's schedule a little (208 registers instead of
 225), so the device step also times the clock build against the default (``device_round.sh clock``). And the
@@ -94,6 +96,32 @@ def sm_sharing(entry: np.ndarray, end: np.ndarray, sm: np.ndarray) -> dict[str, 
             "idle": idle / span_total if span_total else 0.0}
 
 
+def wait_company(entry: np.ndarray, wait_end: np.ndarray, end: np.ndarray, sm: np.ndarray) -> dict[str, object]:
+    """Whether an SM's CTAs run in step, from each CTA's entry, the end of its wait for its loads (the
+    ``tma_wait`` stamp) and its end, and its SM id. ``work`` / ``wait``: the share of the CTAs' summed wait cycles
+    during which other CTAs on the SM work / wait as well (summed over those others: 1.0 for one companion
+    throughout); ``offset``: p10, p25, p50, p75, p90 of (a CTA's entry − the entry of each CTA resident when it
+    starts) over the median life (0.5 for two CTAs half a life apart; near 0 or 1 in step)."""
+    entry, wait_end, end, sm = (np.asarray(x, dtype=np.int64) for x in (entry, wait_end, end, sm))
+    life = float(np.median(end - entry))
+    total = work = wait = 0
+    offsets: list[float] = []
+    for s in np.unique(sm):
+        idx = np.flatnonzero(sm == s)
+        for i in idx:
+            a, b = entry[i], wait_end[i]
+            others = idx[(idx != i) & (entry[idx] < max(b, a + 1)) & (end[idx] > a)]
+            total += max(b - a, 0)
+            for j in others:
+                wait += max(0, min(b, wait_end[j]) - max(a, entry[j]))
+                work += max(0, min(b, end[j]) - max(a, wait_end[j]))
+                if entry[j] <= a and life:
+                    offsets.append((a - entry[j]) / life)
+    pct = np.percentile(offsets, [10, 25, 50, 75, 90]) if offsets else np.full(5, np.nan)
+    return {"work": work / total if total else 0.0, "wait": wait / total if total else 0.0,
+            "offset": tuple(float(x) for x in pct)}
+
+
 def report(stamps: np.ndarray, sm: np.ndarray, label: str) -> str:
     """The printed tables (lines start with ``[clock]``)."""
     out = [f"[clock] {label}: {len(stamps)} chunks on {len(np.unique(sm))} SMs (cycles)",
@@ -103,6 +131,10 @@ def report(stamps: np.ndarray, sm: np.ndarray, label: str) -> str:
     sh = sm_sharing(stamps[:, 0], stamps[:, len(STAMP_NAMES) - 1], sm)
     out.append(f"[clock] per SM: {sh['resident']:.2f} CTAs resident, {sh['shared']:.1%} of CTA life beside another, "
                f"{sh['idle']:.1%} idle, {sh['gap_median']:.0f} cycles from an end to the next start")
+    wc = wait_company(stamps[:, 0], stamps[:, STAMP_NAMES.index("tma_wait")], stamps[:, len(STAMP_NAMES) - 1], sm)
+    out.append(f"[clock] in step?: while a CTA waits for its loads the others on its SM work {wc['work']:.1%} and "
+               f"wait {wc['wait']:.1%} of it; start offsets (share of a life, p10/25/50/75/90) "
+               + " / ".join(f"{x:.2f}" for x in wc["offset"]))
     return "\n".join(out)
 
 
