@@ -418,13 +418,12 @@ class KdaFwdIntraTC:
     @cute.jit
     def launch_coords(self, pos, HV, NC):
         """(chunk, value head) of the CTA at launch position ``pos`` (0 first) under ``order``."""
-        hv = pos // NC
-        chunk = pos - hv * NC
         if cutlass.const_expr(self.order == "head_rev"):
             q = pos // HV
-            hv = pos - q * HV
-            chunk = NC - 1 - q
-        return chunk, hv
+            return NC - 1 - q, pos - q * HV
+        else:
+            hv = pos // NC
+            return pos - hv * NC, hv
 
     @cute.jit
     def my_coords(self, HV, NC):
@@ -560,14 +559,13 @@ class KdaFwdIntraTC:
 
     @cute.jit
     def prefetch_later_chunk(self, pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pG: cute.Pointer,
-                             pChunks: cute.Pointer, tidx, chunk, hv, H, HV, NC):
+                             pChunks: cute.Pointer, tidx, H, HV, NC):
         """Ask L2 for the q, k, v, g rows of the CTA ``prefetch_for`` places later in launch order
         (``order``). Thread t takes row t % 64: q and k for t < 64, v and g otherwise, every 128-byte line of
         each row."""
-        nxt = hv * NC + chunk + self.prefetch_for(pG.dtype)  # this CTA's launch position, chunk fastest
-        if cutlass.const_expr(self.order != "chunk"):
-            bx, by, _ = cute.arch.block_idx()
-            nxt = by * HV + bx + self.prefetch_for(pG.dtype)
+        bx, by, _ = cute.arch.block_idx()
+        grid_x = HV if cutlass.const_expr(self.order == "head_rev") else NC
+        nxt = by * grid_x + bx + self.prefetch_for(pG.dtype)  # this CTA's launch position, plus the distance
         if nxt < HV * NC:
             c_n, hv_n = self.launch_coords(nxt, HV, NC)
             later = cute.make_tensor(pChunks, cute.make_layout((c_n + 1, 2), stride=(2, 1)))
@@ -862,7 +860,7 @@ class KdaFwdIntraTC:
             if cutlass.const_expr(not g_by_tma):
                 raw_g[rr, None].store(_vec(pG, (tok * HV + hv) * DK + d0, COLS_PER_THREAD).load())
         if cutlass.const_expr(self.prefetch_for(pG.dtype) > 0):
-            self.prefetch_later_chunk(pQ, pK, pV, pG, pChunks, tidx, chunk, hv, H, HV, NC)
+            self.prefetch_later_chunk(pQ, pK, pV, pG, pChunks, tidx, H, HV, NC)
         if tidx < CHUNK:
             keep_b = F32(1.0)
             if tidx >= nvalid:
