@@ -176,10 +176,10 @@ PHASE1 = __import__("os").environ.get("CULA_KDA_TC_PHASE1", PHASE1_MODES[0])
 #: rows are [token, head, 128]: one contiguous MB a tensor) and the last CTAs are the first chunks of the first
 #: sequences, every head: what stage 2 reads first. "chunk" (before): chunk fastest, then value head (grid [NC, HV]).
 #: The outputs are the same. H100, session 31 (`--split l2` and `all`, twice each in turn): stage 1 −2.1% at B2 T16384
-#: (1.592 -> 1.559 ms; both stages 2.628 -> 2.594), both −1.9% at B1 T1024, −0.4 to −1.3% at B1 / B2 T4096 and on
-#: the n20 T4096 rows, ±0.3% elsewhere (B1 T16384 +0.2%). Stage 2 alone and "both − stage 1" did not move: L2 carries
-#: no measurable share of the hand-off; the gain is stage 1's own reads. (Evict-first q, k, g TMA loads were measured
-#: with it and removed: +0.6% at B2 T16384, stage 1 +3% on the n20 rows; the code is at d71cb43.)
+#: (1.592 -> 1.559 ms; both stages 2.628 -> 2.594), both −1.9% at B1 T1024, −0.3 to −1.3% at B1 / B2 T4096, B1 / B2
+#: T512 unchanged, within ±0.4% on the varlen rows, B1 T16384 +0.2%. Stage 2 alone and "both − stage 1" did not
+#: move: L2 carries no measurable share of the hand-off; the gain is stage 1's own reads. (Evict-first q, k, g TMA
+#: loads were measured with it and removed: +0.6% at B2 T16384, stage 1 +3% on the n20 rows; the code is at d71cb43.)
 #: ``CULA_KDA_TC_ORDER=chunk`` for A/B.
 ORDER_MODES = ("head_rev", "chunk")
 ORDER = __import__("os").environ.get("CULA_KDA_TC_ORDER", ORDER_MODES[0])
