@@ -166,16 +166,6 @@ def test_sanitize_pack_runs_memcheck_packed_then_racecheck_unpacked_and_packed(t
     assert all("tc-T65-gva-vfirst" in c and "--no-fla" in c for c in cmds)  # two chunks: a chunk after the first
 
 
-def test_l2_order_sanity_first_then_the_bitwise_test_and_the_l2_splits(tmp_path):
-    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "l2_order")
-    assert "CULA_KDA_TC_ORDER=head_rev" in cmds[0] and "--cases tc-T1" in cmds[0]
-    assert "order_and_hint" in cmds[1]
-    splits = cmds[2:]
-    assert len(splits) == 6 and all("--split l2" in c for c in splits)
-    mode = [("head_rev" in c) + 2 * ("evict_first" in c) for c in splits]
-    assert mode == [0, 1, 2, 3, 0, 3]
-
-
 def test_s31_sanity_checks_the_three_gpu_tests_then_chunk_against_the_default(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "s31")
     rest = new_kernel_head(cmds, "CULA_KDA", True, "order_equals")  # the defaults, nothing forced

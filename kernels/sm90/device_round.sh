@@ -76,11 +76,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         pack_bytes) envs="CULA_KDA_TC_DIAG=no_tp_store CULA_KDA_RECUR_DIAG=half_at" ;;
         pack) envs="CULA_KDA_PACK=1" ;;
         unpacked) envs="CULA_KDA_PACK=0" ;;
-        head_rev) envs="CULA_KDA_TC_ORDER=head_rev" ;;
         chunk) envs="CULA_KDA_TC_ORDER=chunk" ;;
-        # (CULA_KDA_TC_LOAD_HINT was removed after l2_order ran, d71cb43: these two now run head_rev / the default)
-        evict_first) envs="CULA_KDA_TC_LOAD_HINT=evict_first" ;;
-        head_rev_ef) envs="CULA_KDA_TC_ORDER=head_rev CULA_KDA_TC_LOAD_HINT=evict_first" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split ${SPLIT_SET:-worst}
     done
@@ -361,18 +357,10 @@ for s in $steps; do
         step s30_check 220 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $phase1_cases
         step s30_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "u_in_recur or pack_equals" ;;
-    l2_order)  # session 31 at d71cb43 (run as it was; "chunk" the default then, LOAD_HINT removed since): stage 1's
-        # launch order head fastest with the chunks last to first (CULA_KDA_TC_ORDER=head_rev), so stage 2's first
-        # reads find stage 1's last writes in L2, and its q, k, g loads evict-first (CULA_KDA_TC_LOAD_HINT): one case
-        # first, the bitwise GPU test, then the `l2` split rows per mode, the default and both twice (<= 330 s)
-        step l2_sanity 45 env CULA_KDA_TC_ORDER=head_rev CULA_KDA_TC_LOAD_HINT=evict_first python3 -u -m \
-            cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-T1 || continue
-        step l2_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
-            -k order_and_hint
-        SPLIT_SET=l2 mode_splits l2_split default head_rev evict_first head_rev_ef default head_rev_ef ;;
     s31)  # session 31: stage 1 launched heads fastest, chunks last to first (ORDER "head_rev", the default): one case
         # first, the nine checks, the order GPU test (bitwise "chunk") with the u-in-stage-2 and pack ones, then the
-        # `l2` and `all` split rows against "chunk" (<= 420 s; AOT checks, pack_checks, order_chunk_checks/_split)
+        # `l2` split rows, "chunk" then the default (<= 420 s; AOT checks, pack_checks, order_chunk_checks/_split;
+        # session 31's `l2_order` step, with the evict-first loads since removed, is at d71cb43)
         step s31_sanity 45 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-T1 || continue
         step s31_check 220 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $phase1_cases
         step s31_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
