@@ -179,8 +179,9 @@ SPLIT_SMALL = ((1, 512, 64), (2, 512, 64), (1, 1024, 64), (2, 1024, 64))
 SPLIT_PDL = SPLIT_SMALL + ((1, 4096, 64), (1, 16384, 64), (2, 16384, 64), ("uniform", 20, 4096, 64))
 
 
-#: where L2 can carry stage 1's hand-off to stage 2 (session 31, kda_fwd_intra_tc.ORDER): hand-offs of ~33-66 MB
-#: (B1 T512 to B2 T512), the n20 T4096 rows (a tenth of theirs fits), and B2 T16384 (a few chunk columns)
+#: the rows stage 1's launch order was measured on (session 31, kda_fwd_intra_tc.ORDER), chosen where L2 could carry
+#: stage 1's hand-off to stage 2 (it carried none measurably): hand-offs of ~33-66 MB (B1 T512 to B2 T512), the n20
+#: T4096 rows (a tenth of theirs fits), and B2 T16384 (a few chunk columns)
 SPLIT_L2 = ((1, 512, 64), (2, 512, 64), (1, 1024, 64), ("uniform", 20, 4096, 64), ("random", 20, 4096, 64),
             (2, 16384, 64))
 
