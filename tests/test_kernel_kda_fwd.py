@@ -76,6 +76,24 @@ def test_emulated_u_in_recur_matches_reference(B, T, H, HV, cu, flags):
     assert torch.equal(tp, tp.tril())  # unit-lower T times diag(β): nothing above the diagonal
 
 
+@pytest.mark.parametrize("B,T,H,HV,cu,flags", EMULATION_CASES[:3])
+def test_emulated_w_in_recur_matches_reference(B, T, H, HV, cu, flags):
+    """W_IN_RECUR's scratch (-X for -w, T', no u) and its stage 2 (v_new = T'(v - X S)) are the same algorithm:
+    exact in fp64, and T' times -X is U_IN_RECUR's -w."""
+    args, kw = _case(B, T, H, HV, cu, seed=T + 1, **flags)
+    o, ht, scratch = kda_fwd.emulate_stages(*args, **kw, dtype=torch.float64, u_in_recur=True, w_in_recur=True)
+    _, _, base = kda_fwd.emulate_stages(*args, **kw, dtype=torch.float64, u_in_recur=True)
+    o_r, ht_r = ref.recurrent(*args, **kw, dtype=torch.float64)
+    assert (o - o_r).norm() / o_r.norm() < 1e-10 and (ht - ht_r).norm() / ht_r.norm() < 1e-10
+    assert "w" not in scratch and "u" not in scratch and scratch["x"].shape == base["w"].shape
+    hv, r, _ = scratch["tp"].shape
+    tp = scratch["tp"].reshape(hv, r // 64, 64, 64)
+    assert torch.allclose(tp @ scratch["x"].reshape(hv, r // 64, 64, -1), base["w"].reshape(hv, r // 64, 64, -1),
+                          atol=1e-12)
+    with pytest.raises(AssertionError, match="needs u in stage 2"):
+        kda_fwd.emulate_stages(*args, **kw, dtype=torch.float64, w_in_recur=True)
+
+
 def test_emulation_detects_a_wrong_scratch():
     """A perturbed stage-1 output changes o: the per-stage GPU comparison can fail."""
     args, kw = _case(1, 70, 1, 1, None, seed=3, use_gate_in_kernel=True)
@@ -841,6 +859,70 @@ def test_gpu_pack_equals_unpacked(name, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(o_g, o_ref)
+
+
+#: The GPU test's cases for W_IN_RECUR: every gate form, GVA V-first, partial chunks, zero-length segments, 33 segments
+W_IN_RECUR_CASES = ["tc-T1", "tc-T65-gva-vfirst", "tc-T1000-negeig", "tc-varlen-zero", "tc-varlen-33",
+                    "tc-softplus-varlen-zero", "tc-loggate-safe-varlen", "tc-fp32-gate-plainbeta"]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("pack", ["0", "1"], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("name", W_IN_RECUR_CASES)
+def test_gpu_w_in_recur_matches_reference(name, pack, monkeypatch):
+    """``W_IN_RECUR`` (stage 1 stores -X, stage 2 forms v_new = T'(v - X S)): the per-case checks of the default
+    (-X and the rest of the scratch against the exact emulation, o / final state against the fp64 recurrence within
+    TOL_O, a rerun bitwise); the rest of stage 1's scratch (qg, Aqk, T', kgᵀ, γ) bitwise the default's; o and the
+    final state within 1e-2 of the default's (they differ where v_new is rounded: bf16(v - X S) against bf16(T' X)
+    and bf16 S). Packed and unpacked [Aqk | T']."""
+    from cula.kernels.sm90 import kda_fwd_check as chk
+
+    case = next(c for c in chk.CASES if c[0] == name)
+    dev = torch.device("cuda")
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    monkeypatch.setattr(kda_fwd, "PACK", pack)
+    args, kw = chk._inputs(*case, dev=dev)
+    monkeypatch.setattr(kda_fwd, "W_IN_RECUR", False)
+    o_d, ht_d, scr_d = kda_fwd.kda_fwd(*args, **kw, return_scratch=True)
+    monkeypatch.setattr(kda_fwd, "W_IN_RECUR", True)
+    ok, errs = chk.check_case(case, dev, None)
+    assert ok and "x" in errs and "w" not in errs, errs
+    o, ht, scr = kda_fwd.kda_fwd(*args, **kw, return_scratch=True)
+    torch.cuda.synchronize()
+    for n in ("qg", "aqk", "tp", "kgt", "gam"):
+        assert torch.equal(scr[n], scr_d[n]), n
+    assert chk._rel(o, o_d) < 1e-2 and chk._rel(ht, ht_d) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("pack", ["0", "1"], ids=["unpacked", "packed"])
+def test_gpu_w_in_recur_partial_chunk_ignores_the_next_sequence(pack, monkeypatch):
+    """With W_IN_RECUR stage 2 reads a partial last chunk's v rows into its accumulator: past the sequence's end
+    they are the next sequence's tokens, zeroed first, so an Inf there changes nothing (bitwise) in the sequence's o
+    and final state; and o inside a CUDA graph is the eager o."""
+    from cula.kernels.sm90 import kda_fwd_check as chk
+
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    monkeypatch.setattr(kda_fwd, "W_IN_RECUR", True)
+    monkeypatch.setattr(kda_fwd, "PACK", pack)
+    dev = torch.device("cuda")
+    cu = [0, 100, 230]
+    args, kw = chk._inputs("partial", 1, 230, 2, 2, cu, dict(chk._TC, lower_bound=-5.0), dev=dev)
+    o, ht = kda_fwd.kda_fwd(*args, **kw)
+    q, k, v, g, beta = args
+    v_bad = v.clone()
+    v_bad[:, 100:] = float("inf")
+    o2, ht2 = kda_fwd.kda_fwd(q, k, v_bad, g, beta, **kw)
+    assert torch.isfinite(o[:, :100]).all() and torch.equal(o[:, :100], o2[:, :100])
+    assert torch.equal(ht[0], ht2[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, _ = kda_fwd.kda_fwd(*args, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_g, o)
 
 
 @pytest.mark.gpu

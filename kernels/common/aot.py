@@ -204,6 +204,11 @@ SCENARIOS = {
     # order GPU test's calls) and the splits, against the default ("head_rev")
     "order_chunk_checks": ("tc", {"intra_tc.ORDER": "chunk"}),
     "order_chunk_split": ("split", {"intra_tc.ORDER": "chunk"}),
+    # device_round s32: w in stage 2 (kda_fwd.W_IN_RECUR) in the check cases, unpacked and packed (the GPU tests'
+    # calls), and the splits
+    "w_in_checks": ("tc", {"W_IN_RECUR": True}),
+    "w_in_pack_checks": ("tc", {"W_IN_RECUR": True, "PACK": "1"}),
+    "w_in_split": ("split", {"W_IN_RECUR": True}),
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 

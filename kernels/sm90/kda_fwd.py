@@ -73,6 +73,11 @@ U_IN_RECUR = __import__("os").environ.get("CULA_KDA_U_IN_RECUR", "1") == "1"
 #: runs three stages (recur.STATE_SMEM_MAX_CHUNKS; use_pack). Not with the clock diagnostic (its slots follow γ's
 #: unpacked rows). ``CULA_KDA_PACK=1`` / ``=0`` forces it on / off.
 PACK = __import__("os").environ.get("CULA_KDA_PACK")
+#: "w in stage 2" (session 32, with U_IN_RECUR): stage 1 stores -X = -(k̂ 2^Γ) (the w product's B operand) instead
+#: of -w = T'(-X), straight from its operand tile as soon as phase 2 has formed it, and drops the w product and its
+#: staging; stage 2 forms v_new = T'(v - X S) (vᵀ read into the accumulator, Sᵀ(-X)ᵀ onto it, then bf16(Yᵀ) T'ᵀ):
+#: the same bytes, one k64 product off stage 1 and onto stage 2's chain. ``CULA_KDA_W_IN_RECUR=1`` turns it on.
+W_IN_RECUR = __import__("os").environ.get("CULA_KDA_W_IN_RECUR", "0") == "1"
 PACK_ABOVE_CHUNKS = 7  # = kda_fwd_recur.STATE_SMEM_MAX_CHUNKS (tests check it)
 
 
@@ -316,10 +321,11 @@ def emulate_stages(q, k, v, g, beta, scale=None, initial_state=None, output_fina
                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                    use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
                    lower_bound=None, state_v_first=False, cu_seqlens=None, *, dtype=torch.float64,
-                   identity_response=False, u_in_recur=False):
+                   identity_response=False, u_in_recur=False, w_in_recur=False):
     """Returns ``(o, final_state, scratch)``; ``scratch`` holds w, u, qg, aqk, kgt, gam as the kernels
     write them (``[HV, NC*64, ...]``), in ``dtype``; with ``u_in_recur`` (``U_IN_RECUR``'s scratch) -w for w,
-    ``tp`` = T diag(β) ``[HV, NC*64, 64]`` for u, and ``v``, the chunk-padded input rows stage 2 reads.
+    ``tp`` = T diag(β) ``[HV, NC*64, 64]`` for u, and ``v``, the chunk-padded input rows stage 2 reads; with
+    ``w_in_recur`` too (``W_IN_RECUR``'s scratch) ``x`` = -(k̂ 2^Γ) for -w.
     With ``identity_response`` also ``o_I`` and ``M`` as :func:`kda_fwd` computes them (stage 2 again with
     ``u = 0`` from ``S0 = I``)."""
     B, T, H, K = q.shape
@@ -371,6 +377,11 @@ def emulate_stages(q, k, v, g, beta, scale=None, initial_state=None, output_fina
         assert not identity_response, "the identity response runs the default stages"
         del scratch["u"]
         scratch.update(w=-scratch["w"], tp=rows(tinv * bc[..., None, :]), v=rows(vc))
+        if w_in_recur:
+            del scratch["w"]
+            scratch.update(x=-rows(kc * torch.exp2(Gm)))
+    else:
+        assert not w_in_recur, "w in stage 2 needs u in stage 2"
     o, ht = emulate_recurrence(scratch, chunks, seqs, B * T, initial_state, output_final_state,
                                state_v_first, dtype)
     if not identity_response:
@@ -385,8 +396,9 @@ def emulate_stages(q, k, v, g, beta, scale=None, initial_state=None, output_fina
 def emulate_recurrence(scratch, chunks, seqs, total_tokens, initial_state, output_final_state,
                        state_v_first, dtype):
     """Stage 2 in torch: ``(o [TT, HV, V], final_state)`` from the scratch of stage 1 (either form:
-    ``u``, or ``tp``, ``v`` and -w for ``U_IN_RECUR``)."""
-    w, qg, aqk, kgt, gam = (scratch[n].to(dtype) for n in ("w", "qg", "aqk", "kgt", "gam"))
+    ``u``, or ``tp``, ``v`` and -w for ``U_IN_RECUR``, or ``tp``, ``v`` and -X for ``W_IN_RECUR``)."""
+    x_in = "x" in scratch
+    w, qg, aqk, kgt, gam = (scratch[n].to(dtype) for n in ("x" if x_in else "w", "qg", "aqk", "kgt", "gam"))
     t_in = "tp" in scratch
     u, tp, vr = ((None, scratch["tp"].to(dtype), scratch["v"].to(dtype)) if t_in
                  else (scratch["u"].to(dtype), None, None))
@@ -404,7 +416,10 @@ def emulate_recurrence(scratch, chunks, seqs, total_tokens, initial_state, outpu
         c0, nc = int(seqs[n, 0]), int(seqs[n, 1])
         for c in range(c0, c0 + nc):
             r = slice(c * CHUNK, (c + 1) * CHUNK)
-            vn = tp[:, r] @ vr[:, r] + w[:, r] @ S if t_in else u[:, r] - w[:, r] @ S
+            if x_in:  # w holds -X: v_new = T'(v - X S)
+                vn = tp[:, r] @ (vr[:, r] + w[:, r] @ S)
+            else:
+                vn = tp[:, r] @ vr[:, r] + w[:, r] @ S if t_in else u[:, r] - w[:, r] @ S
             oc = qg[:, r] @ S + aqk[:, r] @ vn
             S = gam[:, c, :, None] * S + kgt[:, :, r] @ vn
             tok0, nv = int(chunks[c, 0]), int(chunks[c, 1])
@@ -592,6 +607,7 @@ def kda_fwd(
     # u in stage 2 (U_IN_RECUR): the Aqk rows get T' beside them, w is stored negated, u is not formed
     u_split = U_IN_RECUR and tc_v2 and not fla_factors
     pack = u_split and use_pack(N, NC) and not _stage1_clock()
+    x_split = u_split and W_IN_RECUR  # w in stage 2: the w buffer holds -X
     w = torch.empty(HV, R, K, dtype=bf16, device=dev)
     u = None if u_split else torch.empty(HV, R, V, dtype=bf16, device=dev)
     # with fla_factors stage 1 writes bf16(T) right after qg in the same buffer (kda_fwd_intra_tc.emit_akk)
@@ -634,6 +650,8 @@ def kda_fwd(
             rflags.update(t_in=True)
             if pack:
                 rflags.update(pack=True)
+            if x_split:
+                rflags.update(x_in=True)
             if recur.RECUR_DIAG:  # timing diagnostics: o is wrong
                 warnings.warn(f"CULA_KDA_RECUR_DIAG={','.join(recur.RECUR_DIAG)}: stage 2's outputs are wrong "
                               "(timing only)", stacklevel=2)
@@ -665,6 +683,8 @@ def kda_fwd(
             tc_flags.update(t_out=True)
             if pack:
                 tc_flags.update(pack=True)
+            if x_split:
+                tc_flags.update(x_out=True)
         if log_tc:
             tc_flags.update(log_gate=True, has_a_log=False, has_dt_bias=False)
         if intra_tc.GATE_FACTORS != intra_tc.GATE_FACTOR_MODES[0]:  # A/B runs only: the default keys stay short
@@ -725,10 +745,11 @@ def kda_fwd(
         rows = token_rows(chunks, TT)
         akk = qg_akk[HV * R * K:].view(HV, R, CHUNK)
         return (out, ht, *(x.transpose(0, 1).index_select(0, rows).view(B, T, HV, CHUNK) for x in (aqk, akk)))
-    if return_scratch:  # with u_split: -w for w, and T' as tp instead of u
+    if return_scratch:  # with u_split: -w for w, and T' as tp instead of u; with x_split -X as x for -w
+        wx = dict(x=w) if x_split else dict(w=w)
         if pack:  # the packed tile and T''s diagonal taken apart into the unpacked scratch
-            return out, ht, dict(w=w, qg=qg, kgt=kgt, **unpack_aqk_tp(aqk_tp, gam, K))
-        return out, ht, dict(w=w, qg=qg, aqk=aqk, kgt=kgt, gam=gam,
+            return out, ht, dict(**wx, qg=qg, kgt=kgt, **unpack_aqk_tp(aqk_tp, gam, K))
+        return out, ht, dict(**wx, qg=qg, aqk=aqk, kgt=kgt, gam=gam,
                              **(dict(tp=aqk_tp[..., CHUNK:]) if u_split else dict(u=u)))
     return out, ht
 

@@ -13,7 +13,8 @@ import traceback
 import torch
 
 TOL_O = 2e-2  # bf16 operands: ||Δ|| / ||ref|| of o and the final state vs the fp64 reference
-SCRATCH = ("w", "u", "tp", "qg", "aqk", "kgt", "gam")  # stage 1's outputs (tp for u with U_IN_RECUR)
+SCRATCH = ("w", "x", "u", "tp", "qg", "aqk", "kgt", "gam")  # stage 1's outputs (tp for u with U_IN_RECUR, x for w
+# with W_IN_RECUR)
 
 _TC = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True)
 
@@ -117,7 +118,8 @@ def check_case(case, dev, fla_chunk_kda=None):
     o, ht, scratch = kda_fwd(*args, **kw, return_scratch=True)
     torch.cuda.synchronize()
     # U_IN_RECUR's scratch: -w, and T' ("tp") for u
-    o_e, ht_e, scr_e = emulate_stages(*args, **kw, dtype=torch.float64, u_in_recur="tp" in scratch)
+    o_e, ht_e, scr_e = emulate_stages(*args, **kw, dtype=torch.float64, u_in_recur="tp" in scratch,
+                                      w_in_recur="x" in scratch)
     o_r, ht_r = ref.recurrent(*args, **kw, dtype=torch.float64)
     names = [n for n in SCRATCH if n in scratch]
     errs = {n: _rel(scratch[n], scr_e[n]) for n in names}

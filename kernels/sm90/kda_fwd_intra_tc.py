@@ -255,6 +255,7 @@ class KdaFwdIntraTC:
         phase1: str = PHASE1_MODES[0],
         pack: bool = False,
         order: str = ORDER_MODES[0],
+        x_out: bool = False,
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -287,6 +288,12 @@ class KdaFwdIntraTC:
         if pack and "clock" in diag:
             raise ValueError("pack (CULA_KDA_PACK): the clock diagnostic's slots assume γ's unpacked pitch")
         self.pack = pack
+        # "w in stage 2" (kda_fwd.W_IN_RECUR, t_out only): no w = T'(-X) product; the -X tile itself leaves by TMA
+        # into the w buffer as soon as phase 2 has formed it, and stage 2 (KdaFwdRecur(x_in=True)) forms
+        # v_new = T'(v - X S) with the T' it reads anyway (kda_fwd.md, "w in stage 2")
+        if x_out and not t_out:
+            raise ValueError("x_out (CULA_KDA_W_IN_RECUR): needs t_out (u in stage 2), got t_out=False")
+        self.x_out = x_out
         # no v loads, prefetches or tile and no u product or store: t_out, or the diagnostic that times it
         self.skip_vu = t_out or "no_v_u" in self.diag
         self.clock = "clock" in self.diag  # phase timestamps (CLOCK_STAMPS), the outputs unchanged
@@ -373,7 +380,12 @@ class KdaFwdIntraTC:
         s2g = cpasync.CopyBulkTensorTileS2GOp()
         w_one = cute.slice_(self.w_layout, (None, None, 0))
         aqk_one = cute.slice_(self.aqk_layout, (None, None, 0))
-        tma_w, tW = cpasync.make_tiled_tma_atom(s2g, mW, w_one, (CHUNK, DK))
+        if cutlass.const_expr(self.x_out):  # -X leaves from its operand tile (d, token): the w rows, read d first
+            mXt = cute.make_tensor(pW, cute.make_layout((DK, R, HV), stride=(1, DK, R * DK)))
+            x_one = cute.slice_(self.x_layout, (None, None, 0))
+            tma_w, tW = cpasync.make_tiled_tma_atom(s2g, mXt, x_one, (DK, CHUNK))
+        else:
+            tma_w, tW = cpasync.make_tiled_tma_atom(s2g, mW, w_one, (CHUNK, DK))
         tma_u, tU = cpasync.make_tiled_tma_atom(s2g, mU, w_one, (CHUNK, DV))
         tma_aqk, tAqk = cpasync.make_tiled_tma_atom(s2g, mAqk, aqk_one, (CHUNK, CHUNK))
         tma_q = tQ = tma_k = tK = tma_g = tG = None
@@ -548,6 +560,23 @@ class KdaFwdIntraTC:
                         cute.copy(tma_aqk, ts_t[None, 0], tg_t[None, chunk])
                 else:
                     cute.copy(tma_aqk, ts_t[None, 0], tg_t[None, chunk])
+                cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def store_x(self, tma_x, tXt: cute.Tensor, sX: cute.Tensor, hv, chunk, skip: cutlass.Constexpr, scale, warp,
+                lane):
+        """``x_out``: warp 0 stores the -X tile (d, token) into ``chunk``'s rows of the w buffer and commits it.
+        ``skip``: the ``no_wu_store`` diagnostic's store, issued only under a condition false at run time."""
+        one = cute.make_layout(1)
+        if warp == 0:
+            g_x = cute.local_tile(tXt[None, None, hv], (DK, CHUNK), (0, None))
+            ts_x, tg_x = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(sX, 0, 2), cute.group_modes(g_x, 0, 2))
+            if lane == 0:
+                if cutlass.const_expr(skip):
+                    if scale < F32(0.0):  # never (timing only)
+                        cute.copy(tma_x, ts_x[None, 0], tg_x[None, chunk])
+                else:
+                    cute.copy(tma_x, ts_x[None, 0], tg_x[None, chunk])
                 cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
@@ -1119,6 +1148,8 @@ class KdaFwdIntraTC:
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
         self.stamp(ts, "phase2", tidx)
+        if cutlass.const_expr(self.x_out):  # -X is complete: it leaves now, under phases 3-4
+            self.store_x(tma_w, tW, sX, hv, chunk, "no_wu_store" in self.diag, scale, warp, lane)
         if cutlass.const_expr(fbk == SUB):
             self.offdiag_b(sC, kb_raws, (kb1_layout, kb2_layout, kb3_layout), tidx)
             cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
@@ -1202,7 +1233,8 @@ class KdaFwdIntraTC:
                 if j0 // SUB > ti // SUB:
                     tv[c] = F32(0.0)
             obf.store(tv.load().to(BF16))
-            _st8(tb_layout, tb_raw, (ti, j0, 0), obf)
+            if cutlass.const_expr(not (self.x_out and self.pack)):  # the w product's A operand, or T''s store
+                _st8(tb_layout, tb_raw, (ti, j0, 0), obf)
             if cutlass.const_expr(self.pack):
                 # T' below the diagonal into the Aqk staging, transposed (its Aqk half is zero there): element
                 # (j, ti) of the 128-byte-swizzled staging is at j*64 + ((ti/8) ^ (j%8))*8 + ti%8, and j % 8 is c
@@ -1234,55 +1266,62 @@ class KdaFwdIntraTC:
             skip = "no_aqk_store" in self.diag or "no_tp_store" in self.diag
             self.store_tile64(tma_aqk, tAqk, _tile(tb_raw, aqk_layout), hv, 1, chunk, skip, scale, warp, lane)
 
-        # ====================================================== phase 5: w = T' X, u = T' v (wgmma)
-        # each result is staged in the tile its B operand came from
-        st_wu = cute.make_tiled_copy_C(st_atom, mma_wu)
-        b_tiles = (sX, sV)
-        stage_tiles = (sWst, sUst)
-        if cutlass.const_expr(self.skip_vu):  # w alone (u is stage 2's; the diagnostic times that)
-            b_tiles = (sX,)
-            stage_tiles = (sWst,)
-        tAtb = thr_wu.make_fragment_A(thr_wu.partition_A(sTb))
-        tB_wu = [thr_wu.make_fragment_B(thr_wu.partition_B(t)) for t in b_tiles]
-        acc_wu = [thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK))) for _ in b_tiles]
-        warpgroup.fence()
-        for x in cutlass.range_constexpr(len(b_tiles)):
-            _gemm_ss(mma_wu, acc_wu[x], tAtb, tB_wu[x])
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        cute.arch.sync_threads()  # T', X and v are read: the X / v tiles become the w / u staging
-        self.stamp(ts, "phase5", tidx)
+        if cutlass.const_expr(self.x_out):  # no phases 5-6: the tiles must outlive the bulk copies' reads
+            self.stamp(ts, "phase5", tidx)
+            self.stamp(ts, "phase6", tidx)
+            if warp == 0:
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            # ====================================================== phase 5: w = T' X, u = T' v (wgmma)
+            # each result is staged in the tile its B operand came from
+            st_wu = cute.make_tiled_copy_C(st_atom, mma_wu)
+            b_tiles = (sX, sV)
+            stage_tiles = (sWst, sUst)
+            if cutlass.const_expr(self.skip_vu):  # w alone (u is stage 2's; the diagnostic times that)
+                b_tiles = (sX,)
+                stage_tiles = (sWst,)
+            tAtb = thr_wu.make_fragment_A(thr_wu.partition_A(sTb))
+            tB_wu = [thr_wu.make_fragment_B(thr_wu.partition_B(t)) for t in b_tiles]
+            acc_wu = [thr_wu.make_fragment_C(thr_wu.partition_shape_C((CHUNK, DK))) for _ in b_tiles]
+            warpgroup.fence()
+            for x in cutlass.range_constexpr(len(b_tiles)):
+                _gemm_ss(mma_wu, acc_wu[x], tAtb, tB_wu[x])
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.sync_threads()  # T', X and v are read: the X / v tiles become the w / u staging
+            self.stamp(ts, "phase5", tidx)
 
-        # ================================================ phase 6: w, u -> swizzled tiles -> TMA stores
-        thr_st = st_wu.get_slice(tidx)
-        for x in cutlass.range_constexpr(len(b_tiles)):
-            r_out = cute.make_rmem_tensor(acc_wu[x].layout, BF16)
-            r_out.store(acc_wu[x].load().to(BF16))
-            cute.copy(st_wu, st_wu.retile(r_out), thr_st.partition_D(stage_tiles[x][None, None, 0]))
-        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-        cute.arch.sync_threads()
-        self.stamp(ts, "phase6", tidx)
-        if warp == 0:
-            gW = cute.local_tile(tW[None, None, hv], (CHUNK, DK), (None, 0))
-            gU = cute.local_tile(tU[None, None, hv], (CHUNK, DV), (None, 0))
-            tWs, tWg = cpasync.tma_partition(tma_w, 0, one, cute.group_modes(sWst, 0, 2),
-                                             cute.group_modes(gW, 0, 2))
-            tUs, tUg = cpasync.tma_partition(tma_u, 0, one, cute.group_modes(sUst, 0, 2),
-                                             cute.group_modes(gU, 0, 2))
-            if lane == 0:
-                if cutlass.const_expr("no_wu_store" in self.diag):
-                    if scale < F32(0.0):  # never (timing only)
+            # ================================================ phase 6: w, u -> swizzled tiles -> TMA stores
+            thr_st = st_wu.get_slice(tidx)
+            for x in cutlass.range_constexpr(len(b_tiles)):
+                r_out = cute.make_rmem_tensor(acc_wu[x].layout, BF16)
+                r_out.store(acc_wu[x].load().to(BF16))
+                cute.copy(st_wu, st_wu.retile(r_out), thr_st.partition_D(stage_tiles[x][None, None, 0]))
+            cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+            cute.arch.sync_threads()
+            self.stamp(ts, "phase6", tidx)
+            if warp == 0:
+                gW = cute.local_tile(tW[None, None, hv], (CHUNK, DK), (None, 0))
+                gU = cute.local_tile(tU[None, None, hv], (CHUNK, DV), (None, 0))
+                tWs, tWg = cpasync.tma_partition(tma_w, 0, one, cute.group_modes(sWst, 0, 2),
+                                                 cute.group_modes(gW, 0, 2))
+                tUs, tUg = cpasync.tma_partition(tma_u, 0, one, cute.group_modes(sUst, 0, 2),
+                                                 cute.group_modes(gU, 0, 2))
+                if lane == 0:
+                    if cutlass.const_expr("no_wu_store" in self.diag):
+                        if scale < F32(0.0):  # never (timing only)
+                            cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
+                            if cutlass.const_expr(not self.skip_vu):
+                                cute.copy(tma_u, tUs[None, 0], tUg[None, chunk])
+                    elif cutlass.const_expr(self.skip_vu):
                         cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
-                        if cutlass.const_expr(not self.skip_vu):
-                            cute.copy(tma_u, tUs[None, 0], tUg[None, chunk])
-                elif cutlass.const_expr(self.skip_vu):
-                    cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
-                else:
-                    cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
-                    cute.copy(tma_u, tUs[None, 0], tUg[None, chunk])
-                cute.arch.cp_async_bulk_commit_group()
-                # shared memory must outlive the bulk copies' reads of it
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    else:
+                        cute.copy(tma_w, tWs[None, 0], tWg[None, chunk])
+                        cute.copy(tma_u, tUs[None, 0], tUg[None, chunk])
+                    cute.arch.cp_async_bulk_commit_group()
+                    # shared memory must outlive the bulk copies' reads of it
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
         if cutlass.const_expr(self.clock):
             self.stamp(ts, "end", tidx)
             if tidx == 0:  # after γ's [HV, NC, 128] floats: CLOCK_SLOTS int64 per (head, chunk)
@@ -1705,6 +1744,9 @@ def compile_targets():
         # the packed default launched in the order before session 31 (ORDER "chunk": chunk fastest)
         "t_out_block32_pack_chunk": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
                                           order="chunk"),
+        # w in stage 2 (kda_fwd.W_IN_RECUR): -X stored from its tile, no w product; packed and unpacked
+        "t_out_block32_pack_x": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True, x_out=True),
+        "t_out_block32_x": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, x_out=True),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them

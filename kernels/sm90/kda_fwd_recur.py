@@ -161,7 +161,8 @@ class KdaFwdRecur:
 
     def __init__(self, has_initial_state: bool, output_final_state: bool, state_v_first: bool,
                  variant: str | None = None, h0_prefetch: bool | None = None, pdl: bool | None = None,
-                 state_smem: bool = False, t_in: bool = False, diag: tuple = (), pack: bool = False):
+                 state_smem: bool = False, t_in: bool = False, diag: tuple = (), pack: bool = False,
+                 x_in: bool = False):
         unknown = [d for d in diag if d not in RECUR_DIAG_OPTIONS]
         if unknown:
             raise ValueError(f"diag (CULA_KDA_RECUR_DIAG): expected names from {RECUR_DIAG_OPTIONS}, got {unknown}")
@@ -194,6 +195,12 @@ class KdaFwdRecur:
         if pack and not t_in:
             raise ValueError("pack (CULA_KDA_PACK): needs t_in (u in stage 2), got t_in=False")
         self.pack = pack
+        # "w in stage 2" (kda_fwd.W_IN_RECUR; stage 1 built with x_out): pW holds -X = -(k̂ 2^Γ), and each chunk
+        # forms Yᵀ = vᵀ + Sᵀ(-X)ᵀ in one accumulator (v read into it from the v tile), then v_newᵀ = bf16(Yᵀ) T'ᵀ:
+        # v_new = T'(v - X S) = u - w S without w, one k64 product more on the chain and vᵀ T'ᵀ's product less
+        if x_in and not t_in:
+            raise ValueError("x_in (CULA_KDA_W_IN_RECUR): needs t_in (u in stage 2), got t_in=False")
+        self.x_in = x_in
         self.gam_pitch = GAM_PITCH_PACK if pack else DK
         self.o_pitch = V2_O_PITCH_COMPACT if t_in else V2_O_PITCH
         self.aqk_cols = 2 * CHUNK if t_in and not pack else CHUNK  # a chunk's Aqk (| T') box
@@ -810,14 +817,16 @@ class KdaFwdRecur:
             rB_w = mma_n64.make_fragment_B(thr64.partition_B(sW))
             rB_qg = mma_n64.make_fragment_B(thr64.partition_B(sQG))
             rB_aqk = mma_n64.make_fragment_B(thr64.partition_B(sAqk))  # t_in: k blocks 0-3 Aqk, 4-7 T'
+            rA_v = rB_tp = None
             if cutlass.const_expr(self.t_in):
-                mma_t = self.make_mma_t()  # vᵀ T'ᵀ's operand partitions
+                mma_t = self.make_mma_t()  # vᵀ T'ᵀ's (x_in: Yᵀ T'ᵀ's) operand partitions
                 thr_t = mma_t.get_slice(tidx)
-                rA_v = mma_t.make_fragment_A(thr_t.partition_A(sU))  # vᵀ
                 tp_src = sAqk  # k blocks 4-7: T'
                 if cutlass.const_expr(self.pack):
                     tp_src = sTp  # its own tile (k blocks 0-3), MN-major
                 rB_tp = mma_t.make_fragment_B(thr_t.partition_B(tp_src))
+                if cutlass.const_expr(not self.x_in):
+                    rA_v = mma_t.make_fragment_A(thr_t.partition_A(sU))  # vᵀ
             rB_kgt = mma_n128.make_fragment_B(thr128.partition_B(sKGT))
             acc_s = thr128.make_fragment_C(thr128.partition_shape_C((BV, DK)))
             acc_vt = thr64.make_fragment_C(thr64.partition_shape_C((BV, CHUNK)))
@@ -866,12 +875,14 @@ class KdaFwdRecur:
                 for ci in cutlass.range(n_chunks, unroll=1):
                     pipe.consumer_wait(cons)
                     st = cons.index
+                    if cutlass.const_expr(self.x_in):  # the accumulator starts as vᵀ (rows past the end zeroed)
+                        self.v_into_acc(acc_vt, rU, thr64, sU, u_raw, st, seq_end - (bos + ci * CHUNK), tidx)
                     # group 1: Sᵀ wᵀ, the head of the chain through the chunk (t_in: Sᵀ(-w)ᵀ, then vᵀ T'ᵀ onto it in
                     # the same accumulator, so it is v_newᵀ itself; with pack, the copies of the packed tile masked
                     # while Sᵀ(-w)ᵀ runs); group 2: oᵀ = Sᵀ qgᵀ, off the chain, keeps the tensor pipe busy while
                     # v_new is formed
                     warpgroup.fence()
-                    mma_n64.set(warpgroup.Field.ACCUMULATE, False)
+                    mma_n64.set(warpgroup.Field.ACCUMULATE, self.x_in)
                     for kb in cutlass.range_constexpr(cute.size(rS, mode=[2])):
                         cute.gemm(mma_n64, acc_vt, rS[None, None, kb], rB_w[None, None, kb, st], acc_vt)
                         mma_n64.set(warpgroup.Field.ACCUMULATE, True)
@@ -879,7 +890,8 @@ class KdaFwdRecur:
                     if cutlass.const_expr(self.t_in):
                         if cutlass.const_expr(self.pack):
                             self.mask_packed(aqk_raw, tp_raw, gam_bf16, st, tidx)
-                        self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, st, seq_end - (bos + ci * CHUNK), tidx)
+                        if cutlass.const_expr(not self.x_in):
+                            self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, st, seq_end - (bos + ci * CHUNK), tidx)
                     mma_n64.set(warpgroup.Field.ACCUMULATE, False)
                     for kb in cutlass.range_constexpr(cute.size(rS, mode=[2])):
                         cute.gemm(mma_n64, acc_ot, rS[None, None, kb], rB_qg[None, None, kb, st], acc_ot)
@@ -892,6 +904,10 @@ class KdaFwdRecur:
                     if cutlass.const_expr(not self.t_in):
                         cute.copy(u_copy, thr64.partition_C(sU_vt[None, None, st]), rU)
                     warpgroup.wait_group(1)  # group 1 done
+                    if cutlass.const_expr(self.x_in):  # v_newᵀ = bf16(Yᵀ) T'ᵀ (group 2 may still run)
+                        rV_c.store(acc_vt.load().to(bf16))
+                        self.issue_yt(acc_vt, rV, rB_tp, st)
+                        warpgroup.wait_group(0)
 
                     # v_newᵀ and Sᵀ diag(γ) (after the wait for the same reason as o)
                     if cutlass.const_expr(not self.t_in):
@@ -1043,6 +1059,38 @@ class KdaFwdRecur:
             mma_t.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
+    def make_mma_yt(self):
+        """x_in's Yᵀ T'ᵀ: A = bf16(Yᵀ) from registers, B = T' as in :meth:`make_mma_t` (made in the kernel, for
+        the reason given there)."""
+        bf16 = cutlass.BFloat16
+        b_major = utils.LayoutEnum.COL_MAJOR if self.pack else utils.LayoutEnum.ROW_MAJOR
+        return sm90_utils.make_trivial_tiled_mma(
+            bf16, bf16, utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
+            cutlass.Float32, (1, 1, 1), (BV, CHUNK), warpgroup.OperandSource.RMEM)
+
+    @cute.jit
+    def issue_yt(self, acc_vt, rY, rB_tp, st):
+        """x_in: acc_vt = Yᵀ T'ᵀ (``rY``: bf16(Yᵀ) as A fragments; ``rB_tp``: T''s B fragments), one commit group."""
+        mma_yt = self.make_mma_yt()
+        warpgroup.fence()
+        mma_yt.set(warpgroup.Field.ACCUMULATE, False)
+        for kb in cutlass.range_constexpr(cute.size(rY, mode=[2])):
+            cute.gemm(mma_yt, acc_vt, rY[None, None, kb], rB_tp[None, None, kb + self.tp_k0, st], acc_vt)
+            mma_yt.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def v_into_acc(self, acc_vt, rV16, thr64, sU: cute.Tensor, u_raw: cute.Pointer, st, nvalid, tidx):
+        """x_in: acc_vt = vᵀ of the chunk in stage ``st`` (fp32, from the (v, token) tile; ``rV16``: a bf16 fragment
+        of acc_vt's layout to read into). A partial chunk's rows past the sequence's end are zeroed first, as
+        :meth:`zero_v_rows` says why."""
+        if nvalid < CHUNK:
+            self.zero_v_rows(u_raw, st, nvalid, tidx)
+        u_copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16)
+        cute.copy(u_copy, thr64.partition_C(sU[None, None, st]), rV16)
+        for i in cutlass.range_constexpr(cute.size(acc_vt)):
+            acc_vt[i] = rV16[i].to(cutlass.Float32)
+
     @cute.jit
     def mask_packed(self, aqk_raw: cute.Pointer, tp_raw: cute.Pointer, gam_bf16: cute.Pointer, st, tidx):
         """pack, by the math threads: mask stage ``st``'s two copies of the packed tile P (P[r, c] is Aqk[r, c] for
@@ -1170,6 +1218,10 @@ def compile_targets():
     targets["v2_t_in_pack_no_state"] = build(has_initial_state=False, output_final_state=False, state_v_first=False,
                                              variant="v2", t_in=True, pack=True)
     targets["v2_t_in_pack_state_smem"] = build(**full, variant="v2", state_smem=True, t_in=True, pack=True)
+    # w in stage 2 (kda_fwd.W_IN_RECUR): v_new = T'(v - X S), packed and unpacked, with the state buffer too
+    targets["v2_t_in_pack_x"] = build(**full, variant="v2", t_in=True, pack=True, x_in=True)
+    targets["v2_t_in_x"] = build(**full, variant="v2", t_in=True, x_in=True)
+    targets["v2_t_in_x_state_smem"] = build(**full, variant="v2", state_smem=True, t_in=True, x_in=True)
     return targets
 
 
