@@ -196,7 +196,7 @@ class KdaFwdRecur:
             raise ValueError("pack (CULA_KDA_PACK): needs t_in (u in stage 2), got t_in=False")
         self.pack = pack
         # "w in stage 2" (kda_fwd.W_IN_RECUR; stage 1 built with x_out): pW holds -X = -(k̂ 2^Γ), and each chunk
-        # forms Yᵀ = vᵀ + Sᵀ(-X)ᵀ in one accumulator (v read into it from the v tile), then v_newᵀ = bf16(Yᵀ) T'ᵀ:
+        # forms Yᵀ = vᵀ + Sᵀ(-X)ᵀ (Sᵀ(-X)ᵀ where Sᵀ(-w)ᵀ was, v added from the v tile), then v_newᵀ = bf16(Yᵀ) T'ᵀ:
         # v_new = T'(v - X S) = u - w S without w, one k64 product more on the chain and vᵀ T'ᵀ's product less
         if x_in and not t_in:
             raise ValueError("x_in (CULA_KDA_W_IN_RECUR): needs t_in (u in stage 2), got t_in=False")
@@ -875,14 +875,12 @@ class KdaFwdRecur:
                 for ci in cutlass.range(n_chunks, unroll=1):
                     pipe.consumer_wait(cons)
                     st = cons.index
-                    if cutlass.const_expr(self.x_in):  # the accumulator starts as vᵀ (rows past the end zeroed)
-                        self.v_into_acc(acc_vt, rU, thr64, sU, u_raw, st, seq_end - (bos + ci * CHUNK), tidx)
                     # group 1: Sᵀ wᵀ, the head of the chain through the chunk (t_in: Sᵀ(-w)ᵀ, then vᵀ T'ᵀ onto it in
                     # the same accumulator, so it is v_newᵀ itself; with pack, the copies of the packed tile masked
                     # while Sᵀ(-w)ᵀ runs); group 2: oᵀ = Sᵀ qgᵀ, off the chain, keeps the tensor pipe busy while
                     # v_new is formed
                     warpgroup.fence()
-                    mma_n64.set(warpgroup.Field.ACCUMULATE, self.x_in)
+                    mma_n64.set(warpgroup.Field.ACCUMULATE, False)
                     for kb in cutlass.range_constexpr(cute.size(rS, mode=[2])):
                         cute.gemm(mma_n64, acc_vt, rS[None, None, kb], rB_w[None, None, kb, st], acc_vt)
                         mma_n64.set(warpgroup.Field.ACCUMULATE, True)
@@ -903,20 +901,30 @@ class KdaFwdRecur:
                         self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, warp_idx, tidx, bos, seq_end, ci - 1)
                     if cutlass.const_expr(not self.t_in):
                         cute.copy(u_copy, thr64.partition_C(sU_vt[None, None, st]), rU)
+                    if cutlass.const_expr(self.x_in):  # vᵀ (rows past the end zeroed)
+                        self.v_fragment(rU, thr64, sU, u_raw, st, seq_end - (bos + ci * CHUNK), tidx)
                     warpgroup.wait_group(1)  # group 1 done
-                    if cutlass.const_expr(self.x_in):  # v_newᵀ = bf16(Yᵀ) T'ᵀ (group 2 may still run)
-                        rV_c.store(acc_vt.load().to(bf16))
-                        self.issue_yt(acc_vt, rV, rB_tp, st)
-                        warpgroup.wait_group(0)
 
                     # v_newᵀ and Sᵀ diag(γ) (after the wait for the same reason as o)
-                    if cutlass.const_expr(not self.t_in):
+                    if cutlass.const_expr(self.x_in):
+                        # Yᵀ = vᵀ + Sᵀ(-X)ᵀ, then v_newᵀ = bf16(Yᵀ) T'ᵀ while Sᵀ diag(γ) is formed
                         for i in cutlass.range_constexpr(cute.size(acc_vt)):
-                            acc_vt[i] = rU[i].to(f32) - acc_vt[i]
-                    rV_c.store(acc_vt.load().to(bf16))
-                    for i in cutlass.range_constexpr(cute.size(acc_s)):
-                        vv, kk = cS[i]
-                        acc_s[i] = acc_s[i] * sGam[kk, 0, st]
+                            acc_vt[i] = rU[i].to(f32) + acc_vt[i]
+                        rV_c.store(acc_vt.load().to(bf16))
+                        self.issue_yt(acc_vt, rV, rB_tp, st)
+                        for i in cutlass.range_constexpr(cute.size(acc_s)):
+                            vv, kk = cS[i]
+                            acc_s[i] = acc_s[i] * sGam[kk, 0, st]
+                        warpgroup.wait_group(0)
+                        rV_c.store(acc_vt.load().to(bf16))
+                    else:
+                        if cutlass.const_expr(not self.t_in):
+                            for i in cutlass.range_constexpr(cute.size(acc_vt)):
+                                acc_vt[i] = rU[i].to(f32) - acc_vt[i]
+                        rV_c.store(acc_vt.load().to(bf16))
+                        for i in cutlass.range_constexpr(cute.size(acc_s)):
+                            vv, kk = cS[i]
+                            acc_s[i] = acc_s[i] * sGam[kk, 0, st]
                     # group 3: Sᵀ += v_newᵀ kg (the chain); group 4: oᵀ += v_newᵀ Aqkᵀ
                     warpgroup.fence()
                     mma_n128.set(warpgroup.Field.ACCUMULATE, True)
@@ -1080,16 +1088,14 @@ class KdaFwdRecur:
         warpgroup.commit_group()
 
     @cute.jit
-    def v_into_acc(self, acc_vt, rV16, thr64, sU: cute.Tensor, u_raw: cute.Pointer, st, nvalid, tidx):
-        """x_in: acc_vt = vᵀ of the chunk in stage ``st`` (fp32, from the (v, token) tile; ``rV16``: a bf16 fragment
-        of acc_vt's layout to read into). A partial chunk's rows past the sequence's end are zeroed first, as
-        :meth:`zero_v_rows` says why."""
+    def v_fragment(self, rV16, thr64, sU: cute.Tensor, u_raw: cute.Pointer, st, nvalid, tidx):
+        """x_in: ``rV16`` (bf16, the v_newᵀ accumulator's layout) = vᵀ of the chunk in stage ``st``, from the
+        (v, token) tile. A partial chunk's rows past the sequence's end are zeroed first, as :meth:`zero_v_rows`
+        says why."""
         if nvalid < CHUNK:
             self.zero_v_rows(u_raw, st, nvalid, tidx)
         u_copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16)
         cute.copy(u_copy, thr64.partition_C(sU[None, None, st]), rV16)
-        for i in cutlass.range_constexpr(cute.size(acc_vt)):
-            acc_vt[i] = rV16[i].to(cutlass.Float32)
 
     @cute.jit
     def mask_packed(self, aqk_raw: cute.Pointer, tp_raw: cute.Pointer, gam_bf16: cute.Pointer, st, tidx):
