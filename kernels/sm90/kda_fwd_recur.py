@@ -890,8 +890,11 @@ class KdaFwdRecur:
                             self.mask_packed(aqk_raw, tp_raw, gam_bf16, st, tidx)
                         if cutlass.const_expr(not self.x_in):
                             self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, st, seq_end - (bos + ci * CHUNK), tidx)
+                    # x_in: group 2's first half only (its second follows Yᵀ T'ᵀ, so neither half delays the chain's
+                    # next product by more than the element-wise work it hides under)
+                    n_qg = cute.size(rS, mode=[2]) // 2 if cutlass.const_expr(self.x_in) else cute.size(rS, mode=[2])
                     mma_n64.set(warpgroup.Field.ACCUMULATE, False)
-                    for kb in cutlass.range_constexpr(cute.size(rS, mode=[2])):
+                    for kb in cutlass.range_constexpr(n_qg):
                         cute.gemm(mma_n64, acc_ot, rS[None, None, kb], rB_qg[None, None, kb, st], acc_ot)
                         mma_n64.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.commit_group()
@@ -912,10 +915,14 @@ class KdaFwdRecur:
                             acc_vt[i] = rU[i].to(f32) + acc_vt[i]
                         rV_c.store(acc_vt.load().to(bf16))
                         self.issue_yt(acc_vt, rV, rB_tp, st)
+                        mma_n64.set(warpgroup.Field.ACCUMULATE, True)
+                        for kb in cutlass.range_constexpr(n_qg, cute.size(rS, mode=[2])):
+                            cute.gemm(mma_n64, acc_ot, rS[None, None, kb], rB_qg[None, None, kb, st], acc_ot)
+                        warpgroup.commit_group()
                         for i in cutlass.range_constexpr(cute.size(acc_s)):
                             vv, kk = cS[i]
                             acc_s[i] = acc_s[i] * sGam[kk, 0, st]
-                        warpgroup.wait_group(0)
+                        warpgroup.wait_group(1)  # Yᵀ T'ᵀ done
                         rV_c.store(acc_vt.load().to(bf16))
                     else:
                         if cutlass.const_expr(not self.t_in):
