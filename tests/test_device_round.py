@@ -184,6 +184,12 @@ def test_s32_checks_unpacked_and_packed_the_gpu_tests_then_w_in_against_the_defa
     assert all("--split worst" in c for c in splits) and ["W_IN_RECUR=1" in c for c in splits] == [False, True] * 2
 
 
+def test_no_w_in_suite_runs_the_kda_suite_with_w_in_stage_2_off_into_its_own_folder(tmp_path):
+    (cmd,) = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "no_w_in_suite")
+    assert "CULA_KDA_W_IN_RECUR=0" in cmd and "--suite kda " in cmd and cmd.rstrip().endswith("--max-time 0.2")
+    assert "/no_w_in" in cmd.split("--out-dir ")[1].split()[0]
+
+
 def test_pack_premise_splits_the_byte_diagnostics_against_the_default_twice(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "pack_premise")
     assert len(cmds) == 4 and all("--split worst" in c for c in cmds)

@@ -78,6 +78,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         unpacked) envs="CULA_KDA_PACK=0" ;;
         chunk) envs="CULA_KDA_TC_ORDER=chunk" ;;
         w_in) envs="CULA_KDA_W_IN_RECUR=1" ;;
+        no_w_in) envs="CULA_KDA_W_IN_RECUR=0" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split ${SPLIT_SET:-worst}
     done
@@ -439,6 +440,11 @@ tc-lb536-strong,tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
+    no_w_in_suite)  # session 32: the kda suite with w in stage 2 off (CULA_KDA_W_IN_RECUR=0) into $OUT/no_w_in: an A/B
+        # against kda_suite on the same card, not for publishing (AOT suites_no_w_in)
+        mkdir -p "$OUT/no_w_in"
+        step kda_suite_no_w_in 150 env CULA_GIT_DIRTY=0 CULA_KDA_W_IN_RECUR=0 python3 -m cula.cli bench --suite kda \
+            --mode both --impl fla,cula --plain --out-dir "$OUT/no_w_in" --max-time 0.2 ;;
     softplus)  # the tensor-core stage 1 on FLA's layer call (softplus gate, no bound; clamped at -11): checks
         step softplus_check 300 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --cases \
             T15-l2-gate,T65-gva-vfirst,T1000-all,varlen-33,tc-softplus-strong,tc-softplus-varlen-zero,tc-T65-gva-vfirst
