@@ -76,9 +76,10 @@ PACK = __import__("os").environ.get("CULA_KDA_PACK")
 #: "w in stage 2" (session 32, with U_IN_RECUR): stage 1 stores -X = -(k̂ 2^Γ) (the w product's B operand) instead
 #: of -w = T'(-X), straight from its operand tile as soon as phase 2 has formed it, and drops the w product and its
 #: staging; stage 2 forms Yᵀ = vᵀ + Sᵀ(-X)ᵀ and v_newᵀ = bf16(Yᵀ) T'ᵀ: the same bytes, one k64 product off stage 1
-#: and onto stage 2's chain. H100, session 32 (twice each, both stages): B2 T16384 2.554 / 2.552 -> 2.546 / 2.549 ms
-#: (stage 1 -3.3%, stage 2 +3 to +4%), the n20 T4096 rows -0.9 to -1.5% (stage 1 -2 to -3%, stage 2 the same); the
-#: 18 checks (unpacked and packed) and 18 GPU tests pass. On by default; ``CULA_KDA_W_IN_RECUR=0`` turns it off.
+#: and onto stage 2's chain. H100, session 32: the kda suite on one card with it on / off, 3.00x / 2.96x FLA (graph
+#: geomean), every one of the 28 rows 0.2-3.0% faster with it (B2 T16384 2.538 / 2.579 ms); the split rows twice each:
+#: stage 1 -3.3%, stage 2 +3 to +4% at B2 T16384, the n20 T4096 rows -0.9 to -1.5%; the 18 checks (unpacked and
+#: packed) and 18 GPU tests pass. On by default; ``CULA_KDA_W_IN_RECUR=0`` turns it off.
 W_IN_RECUR = __import__("os").environ.get("CULA_KDA_W_IN_RECUR", "1") == "1"
 PACK_ABOVE_CHUNKS = 7  # = kda_fwd_recur.STATE_SMEM_MAX_CHUNKS (tests check it)
 
