@@ -8,6 +8,8 @@ reference, the emulation per stage, FLA, and a rerun (determinism).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -1153,6 +1155,67 @@ def test_host_path_u_in_recur(monkeypatch, cu):
     calls.clear()
     kda_fwd.kda_fwd(*args, **{**kw, "use_qk_l2norm_in_kernel": False})
     assert [c[0] for c in calls] == ["intra", "recur"] and "t_in" not in dict(calls[1][1][0])
+
+
+@pytest.mark.parametrize("w_in", [True, False])
+def test_host_path_w_in_recur(monkeypatch, w_in):
+    """W_IN_RECUR (with U_IN_RECUR) compiles stage 1 with x_out and stage 2 with x_in, packed or not, into the same
+    buffers as without it; off, neither key has the flag (so the keys of session 31's kernels stay as they were);
+    the training path (FLA's factors) and the SIMT stage 1 never take it; the kernels refuse it without u in
+    stage 2."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+    from cula.kernels.sm90 import kda_fwd_recur as recur
+
+    calls = record_kda_launches(monkeypatch)
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    monkeypatch.setattr(kda_fwd, "W_IN_RECUR", w_in)
+    flags = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                 lower_bound=-5.0, safe_gate=True)
+    args, kw = _case(1, 600, 2, 2, None, seed=2, **flags)  # 10 chunks: packed by default
+    args = tuple(x.bfloat16() for x in args)
+    for pack in ("0", "1"):
+        monkeypatch.setattr(kda_fwd, "PACK", pack)
+        calls.clear()
+        kda_fwd.kda_fwd(*args, **kw)
+        (k1, key1, _, _), (k2, key2, _, _) = calls
+        f1, f2 = dict(key1[0]), dict(key2[0])
+        assert f1.get("pack", False) == (pack == "1") and f2.get("pack", False) == (pack == "1")
+        if w_in:
+            assert f1["x_out"] is True and f2["x_in"] is True
+        else:
+            assert "x_out" not in f1 and "x_in" not in f2
+    calls.clear()
+    kda_fwd.kda_fwd(*args, **{**kw, "use_qk_l2norm_in_kernel": False})  # the SIMT stage 1
+    assert all("x_out" not in dict(c[1][0]) and "x_in" not in dict(c[1][0]) for c in calls)
+    with pytest.raises(ValueError, match="x_out"):
+        intra_tc.KdaFwdIntraTC(True, True, True, True, False, 1, x_out=True)
+    with pytest.raises(ValueError, match="x_in"):
+        recur.KdaFwdRecur(True, True, False, variant="v2", x_in=True)
+
+
+def test_ptx_w_in_recur():
+    """x_out drops stage 1's w product (44 wgmma instead of 48, the same 9 bulk tensor copies: -X leaves in w's
+    place) at the same registers; x_in keeps stage 2's 28 wgmma a chunk but none of them SS any more (vᵀ T'ᵀ's
+    transposed A goes, Yᵀ T'ᵀ reads A from registers). No spills, no local memory."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common.ptx_check import ptx_reports
+
+    names = ["intra_tc_t_out_block32_pack", "intra_tc_t_out_block32_pack_x", "recur_v2_t_in_pack",
+             "recur_v2_t_in_pack_x", "recur_v2_t_in_x", "recur_v2_t_in_x_state_smem"]
+    r = ptx_reports("cula.kernels.sm90.kda_fwd", names)
+    s1, s1x, s2, s2x = (r[n] for n in names[:4])
+    for rep in r.values():
+        assert rep.spill_bytes == 0 and ".local" not in rep.ptx and rep.max_registers <= 255
+    assert s1.count("wgmma.mma_async") == 48 and s1x.count("wgmma.mma_async") == 44
+    assert s1x.count("cp.async.bulk.tensor") == s1.count("cp.async.bulk.tensor")
+    assert s1x.max_registers <= s1.max_registers
+    def shared_a(rep):  # wgmma with A from shared memory: one register list (D) where RS products have two (D, A)
+        return sum(1 for t in re.findall(r"wgmma\.mma_async[^;]*;", rep.ptx) if t.count("{") == 1)
+
+    assert shared_a(s2) == 4  # vᵀ T'ᵀ
+    for n in names[3:]:
+        assert r[n].count("wgmma.mma_async") == 28 and shared_a(r[n]) == 0, n
 
 
 def _pack_like_stage1(aqk: torch.Tensor, tp: torch.Tensor, gam: torch.Tensor) -> tuple:
