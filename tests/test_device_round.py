@@ -174,14 +174,14 @@ def test_s31_sanity_checks_the_three_gpu_tests_then_chunk_against_the_default(tm
     assert ["CULA_KDA_TC_ORDER=chunk" in c for c in rest] == [True, False]
 
 
-def test_s32_checks_unpacked_and_packed_the_gpu_tests_then_w_in_against_the_default(tmp_path):
+def test_s32_checks_unpacked_and_packed_the_gpu_tests_then_the_default_against_it_off(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "s32")
     assert len(cmds) == 8 and all("CULA_KDA_W_IN_RECUR=1" in c for c in cmds[:3])
     assert "--cases tc-T1" in cmds[0] and "tc-loggate-safe-varlen" in cmds[1] and "tc-loggate-safe-varlen" in cmds[2]
     assert ["CULA_KDA_PACK=1" in c for c in cmds[:3]] == [False, False, True]
     assert "pytest" in cmds[3] and "w_in_recur" in cmds[3]
     splits = cmds[4:]
-    assert all("--split worst" in c for c in splits) and ["W_IN_RECUR=1" in c for c in splits] == [False, True] * 2
+    assert all("--split worst" in c for c in splits) and ["W_IN_RECUR=0" in c for c in splits] == [True, False] * 2
 
 
 def test_no_w_in_suite_runs_the_kda_suite_with_w_in_stage_2_off_into_its_own_folder(tmp_path):

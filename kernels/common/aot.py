@@ -209,8 +209,12 @@ SCENARIOS = {
     "w_in_checks": ("tc", {"W_IN_RECUR": True}),
     "w_in_pack_checks": ("tc", {"W_IN_RECUR": True, "PACK": "1"}),
     "w_in_split": ("split", {"W_IN_RECUR": True}),
-    # device_round no_w_in_suite: the kda suite with w in stage 2 off (the default before session 32)
+    # device_round no_w_in_suite, s32: the kda suite, the GPU tests' calls and the splits with w in stage 2 off (the
+    # default before session 32)
     "suites_no_w_in": ("suites", {"W_IN_RECUR": False}),
+    "no_w_in_checks": ("tc", {"W_IN_RECUR": False}),
+    "no_w_in_pack_checks": ("tc", {"W_IN_RECUR": False, "PACK": "1"}),
+    "no_w_in_split": ("split", {"W_IN_RECUR": False}),
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 

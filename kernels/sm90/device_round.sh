@@ -368,9 +368,10 @@ for s in $steps; do
         step s31_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "order_equals or u_in_recur or pack_equals"
         SPLIT_SET=l2 mode_splits s31_l2 chunk default ;;
-    s32)  # session 32: w in stage 2 (CULA_KDA_W_IN_RECUR=1: stage 1 stores -X, stage 2 forms v_new = T'(v - X S)):
-        # one case first, the nine checks unpacked and packed, its GPU tests, then default / w_in splits twice
-        # (<= 560 s; AOT w_in_checks, w_in_pack_checks, checks, pack_checks, split, w_in_split)
+    s32)  # session 32: w in stage 2 (CULA_KDA_W_IN_RECUR=1, the default since: stage 1 stores -X, stage 2 forms
+        # v_new = T'(v - X S)): one case first, the nine checks unpacked and packed, its GPU tests, then it off / on
+        # in the splits, twice (<= 560 s; AOT w_in_checks, w_in_pack_checks, no_w_in_checks, no_w_in_pack_checks,
+        # split, no_w_in_split)
         step s32_sanity 45 env CULA_KDA_W_IN_RECUR=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases tc-T1 || continue
         step s32_check 150 env CULA_KDA_W_IN_RECUR=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
@@ -379,7 +380,7 @@ for s in $steps; do
             --check --no-bench --cases $phase1_cases
         step s32_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "w_in_recur"
-        mode_splits s32_split default w_in default w_in ;;
+        mode_splits s32_split no_w_in default no_w_in default ;;
     pack_premise)  # session 29: what packing Aqk and T' into one 64 x 64 tile (8 KB a chunk instead of 16) would
         # save at most, timing only (outputs wrong): stage 1 without T''s store (CULA_KDA_TC_DIAG=no_tp_store) and
         # stage 2 reading ~8 KB of distinct [Aqk | T'] memory a chunk (CULA_KDA_RECUR_DIAG=half_at), against the
