@@ -544,39 +544,24 @@ class KdaFwdIntraTC:
             cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def store_tile64(self, tma_aqk, tAqk: cute.Tensor, s_tile: cute.Tensor, hv, col: cutlass.Constexpr, chunk,
-                     skip: cutlass.Constexpr, scale, warp, lane):
-        """Warp 0 stores the [64, 64] tile ``s_tile`` (the Aqk staging layout) through the Aqk store's TMA atom into
-        column block ``col`` of ``chunk``'s rows (0: Aqk or the packed tile; 1: T' beside Aqk) and commits it.
-        ``skip``: a timing diagnostic's store, issued only under a condition that is false at run time."""
+    def store_tile(self, tma, tG: cute.Tensor, s_tile: cute.Tensor, hv, tile: cutlass.Constexpr,
+                   coord: cutlass.Constexpr, chunk, skip: cutlass.Constexpr, scale, warp, lane):
+        """Warp 0 stores ``s_tile`` through the TMA atom ``tma`` into ``chunk``'s ``tile``-shaped box of head ``hv``'s
+        slice of ``tG`` (``coord``: the box's local_tile coordinate, None where the chunk index goes) and commits it:
+        the [64, 64] Aqk staging into column block 0 (Aqk or the packed tile) or 1 (T' beside Aqk) of the Aqk rows,
+        or the -X tile (d, token) into the w rows (``x_out``). ``skip``: a timing diagnostic's store, issued only
+        under a condition that is false at run time."""
         one = cute.make_layout(1)
         if warp == 0:
-            g_t = cute.local_tile(tAqk[None, None, hv], (CHUNK, CHUNK), (None, col))
-            ts_t, tg_t = cpasync.tma_partition(tma_aqk, 0, one, cute.group_modes(s_tile, 0, 2),
+            g_t = cute.local_tile(tG[None, None, hv], tile, coord)
+            ts_t, tg_t = cpasync.tma_partition(tma, 0, one, cute.group_modes(s_tile, 0, 2),
                                                cute.group_modes(g_t, 0, 2))
             if lane == 0:
                 if cutlass.const_expr(skip):
                     if scale < F32(0.0):  # never (timing only)
-                        cute.copy(tma_aqk, ts_t[None, 0], tg_t[None, chunk])
+                        cute.copy(tma, ts_t[None, 0], tg_t[None, chunk])
                 else:
-                    cute.copy(tma_aqk, ts_t[None, 0], tg_t[None, chunk])
-                cute.arch.cp_async_bulk_commit_group()
-
-    @cute.jit
-    def store_x(self, tma_x, tXt: cute.Tensor, sX: cute.Tensor, hv, chunk, skip: cutlass.Constexpr, scale, warp,
-                lane):
-        """``x_out``: warp 0 stores the -X tile (d, token) into ``chunk``'s rows of the w buffer and commits it.
-        ``skip``: the ``no_wu_store`` diagnostic's store, issued only under a condition false at run time."""
-        one = cute.make_layout(1)
-        if warp == 0:
-            g_x = cute.local_tile(tXt[None, None, hv], (DK, CHUNK), (0, None))
-            ts_x, tg_x = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(sX, 0, 2), cute.group_modes(g_x, 0, 2))
-            if lane == 0:
-                if cutlass.const_expr(skip):
-                    if scale < F32(0.0):  # never (timing only)
-                        cute.copy(tma_x, ts_x[None, 0], tg_x[None, chunk])
-                else:
-                    cute.copy(tma_x, ts_x[None, 0], tg_x[None, chunk])
+                    cute.copy(tma, ts_t[None, 0], tg_t[None, chunk])
                 cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
@@ -1149,7 +1134,8 @@ class KdaFwdIntraTC:
         cute.arch.sync_threads()
         self.stamp(ts, "phase2", tidx)
         if cutlass.const_expr(self.x_out):  # -X is complete: it leaves now, under phases 3-4
-            self.store_x(tma_w, tW, sX, hv, chunk, "no_wu_store" in self.diag, scale, warp, lane)
+            self.store_tile(tma_w, tW, sX, hv, (DK, CHUNK), (0, None), chunk, "no_wu_store" in self.diag, scale, warp,
+                            lane)
         if cutlass.const_expr(fbk == SUB):
             self.offdiag_b(sC, kb_raws, (kb1_layout, kb2_layout, kb3_layout), tidx)
             cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
@@ -1206,7 +1192,8 @@ class KdaFwdIntraTC:
         self.stamp(ts, "combine", tidx)
         one = cute.make_layout(1)
         if cutlass.const_expr(not self.pack):  # pack: Aqk leaves with T' (after phase 4)
-            self.store_tile64(tma_aqk, tAqk, sAqk, hv, 0, chunk, "no_aqk_store" in self.diag, scale, warp, lane)
+            self.store_tile(tma_aqk, tAqk, sAqk, hv, (CHUNK, CHUNK), (None, 0), chunk, "no_aqk_store" in self.diag,
+                            scale, warp, lane)
 
         # ==================================================== phase 4: T = (I + Akk)^-1, fp32 SIMT
         if cutlass.const_expr("no_inverse" in self.diag):
@@ -1259,12 +1246,13 @@ class KdaFwdIntraTC:
         self.stamp(ts, "t_prime", tidx)
         if cutlass.const_expr(self.pack):
             # the packed tile (Aqk, T' transposed above the diagonal) leaves while phase 5 runs
-            self.store_tile64(tma_aqk, tAqk, sAqk, hv, 0, chunk, False, scale, warp, lane)
+            self.store_tile(tma_aqk, tAqk, sAqk, hv, (CHUNK, CHUNK), (None, 0), chunk, False, scale, warp, lane)
         elif cutlass.const_expr(self.t_out):
             # T' leaves for stage 2 (columns 64-127 of the Aqk rows) while phase 5 reads the same tile
             # (the Aqk staging layout is T''s operand layout: kda_fwd_intra_tc.layout_facts)
             skip = "no_aqk_store" in self.diag or "no_tp_store" in self.diag
-            self.store_tile64(tma_aqk, tAqk, _tile(tb_raw, aqk_layout), hv, 1, chunk, skip, scale, warp, lane)
+            self.store_tile(tma_aqk, tAqk, _tile(tb_raw, aqk_layout), hv, (CHUNK, CHUNK), (None, 1), chunk, skip,
+                            scale, warp, lane)
 
         if cutlass.const_expr(self.x_out):  # no phases 5-6: the tiles must outlive the bulk copies' reads
             self.stamp(ts, "phase5", tidx)
