@@ -755,13 +755,19 @@ def test_gpu_u_in_recur_partial_chunk_ignores_the_next_sequence(monkeypatch):
     """Stage 2 loads a partial last chunk's v rows by TMA: past the sequence's end they are the next
     sequence's tokens. T' has zero columns there, but an Inf would still make NaN: the kernel zeroes them,
     so a sequence's o and final state do not depend on what follows it (bitwise, the same call with the
-    next sequence's v replaced by Inf)."""
+    next sequence's v replaced by Inf). W_IN_RECUR off: its stage 2 reads v differently (its own test below)."""
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    monkeypatch.setattr(kda_fwd, "W_IN_RECUR", False)
+    _check_partial_chunk_ignores_the_next_sequence()
+
+
+def _check_partial_chunk_ignores_the_next_sequence():
+    """Two sequences (100 and 130 tokens): the first's o and final state are bitwise the same when the second's v
+    is Inf. Returns the inputs and the first call's o."""
     from cula.kernels.sm90 import kda_fwd_check as chk
 
-    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
-    dev = torch.device("cuda")
     cu = [0, 100, 230]
-    args, kw = chk._inputs("partial", 1, 230, 2, 2, cu, dict(chk._TC, lower_bound=-5.0), dev=dev)
+    args, kw = chk._inputs("partial", 1, 230, 2, 2, cu, dict(chk._TC, lower_bound=-5.0), dev=torch.device("cuda"))
     o, ht = kda_fwd.kda_fwd(*args, **kw)
     q, k, v, g, beta = args
     v_bad = v.clone()
@@ -769,6 +775,7 @@ def test_gpu_u_in_recur_partial_chunk_ignores_the_next_sequence(monkeypatch):
     o2, ht2 = kda_fwd.kda_fwd(q, k, v_bad, g, beta, **kw)
     assert torch.isfinite(o[:, :100]).all() and torch.equal(o[:, :100], o2[:, :100])
     assert torch.equal(ht[0], ht2[0])
+    return args, kw, o
 
 
 #: (phase 1 before, the TMA phase 1 after it, which of a later sequence's inputs are poisoned: Inf in q, k; NaN in g)
@@ -905,21 +912,10 @@ def test_gpu_w_in_recur_partial_chunk_ignores_the_next_sequence(pack, monkeypatc
     """With W_IN_RECUR stage 2 reads a partial last chunk's v rows into its accumulator: past the sequence's end
     they are the next sequence's tokens, zeroed first, so an Inf there changes nothing (bitwise) in the sequence's o
     and final state; and o inside a CUDA graph is the eager o."""
-    from cula.kernels.sm90 import kda_fwd_check as chk
-
     monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
     monkeypatch.setattr(kda_fwd, "W_IN_RECUR", True)
     monkeypatch.setattr(kda_fwd, "PACK", pack)
-    dev = torch.device("cuda")
-    cu = [0, 100, 230]
-    args, kw = chk._inputs("partial", 1, 230, 2, 2, cu, dict(chk._TC, lower_bound=-5.0), dev=dev)
-    o, ht = kda_fwd.kda_fwd(*args, **kw)
-    q, k, v, g, beta = args
-    v_bad = v.clone()
-    v_bad[:, 100:] = float("inf")
-    o2, ht2 = kda_fwd.kda_fwd(q, k, v_bad, g, beta, **kw)
-    assert torch.isfinite(o[:, :100]).all() and torch.equal(o[:, :100], o2[:, :100])
-    assert torch.equal(ht[0], ht2[0])
+    args, kw, o = _check_partial_chunk_ignores_the_next_sequence()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         o_g, _ = kda_fwd.kda_fwd(*args, **kw)
