@@ -1214,6 +1214,138 @@ def test_ptx_w_in_recur():
         assert r[n].count("wgmma.mma_async") == 28 and shared_a(r[n]) == 0, n
 
 
+#: The GPU test's cases for CTAS 3: fixed, GVA V-first (two chunks), varlen with zero-length segments and partial chunks,
+#: 33 segments, a log-space gate, an fp32 gate (by per-thread loads: nothing lands in K̃'s tile), a long random batch
+CTAS3_CASES = ["tc-T1000-negeig", "tc-T65-gva-vfirst", "tc-varlen-zero", "tc-varlen-33", "tc-loggate-safe-varlen",
+               "tc-fp32-gate-plainbeta", "big-varlen"]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", CTAS3_CASES)
+def test_gpu_ctas3_equals_the_default(name, monkeypatch):
+    """Stage 1 at three CTAs an SM (CTAS 3: -X stored from registers, g landing in K̃'s tile, the launch bound) moves
+    no value: the scratch, o and the final state are bitwise the two-CTA stage 1's (packed, w in stage 2), with and
+    without a state, twice, and o inside a CUDA graph; the calls did build the three-CTA stage 1."""
+    from cula.kernels.sm90 import kda_fwd_check as chk
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+
+    dev = torch.device("cuda")
+    if name == "big-varlen":
+        from cula.suites.lengths import cu_seqlens_from_lengths, varlen_lengths
+
+        cu = cu_seqlens_from_lengths(varlen_lengths("random", 20, 8192))
+        case = (name, 1, 8192, 16, 16, cu, dict(chk._TC, lower_bound=-5.0))
+    else:
+        case = next(c for c in chk.CASES if c[0] == name)
+    args, kw = chk._inputs(*case, dev=dev)
+    keys = []
+    launcher = kda_fwd._launcher
+    monkeypatch.setattr(kda_fwd, "_launcher", lambda kind, key, *a: keys.append(key) or launcher(kind, key, *a))
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    monkeypatch.setattr(kda_fwd, "W_IN_RECUR", True)
+    monkeypatch.setattr(kda_fwd, "PACK", "1")
+    for state in (kw, {**kw, "initial_state": None, "output_final_state": False}):
+        monkeypatch.setattr(intra_tc, "CTAS", 2)
+        o_ref, ht_ref, scr_ref = kda_fwd.kda_fwd(*args, **state, return_scratch=True)
+        monkeypatch.setattr(intra_tc, "CTAS", 3)
+        keys.clear()
+        for _ in range(2):
+            o, ht, scr = kda_fwd.kda_fwd(*args, **state, return_scratch=True)
+            torch.cuda.synchronize()
+            assert scr.keys() == scr_ref.keys()
+            for n in scr_ref:
+                assert torch.equal(scr[n], scr_ref[n]), n
+            assert torch.equal(o, o_ref)
+            assert (ht is None and ht_ref is None) or torch.equal(ht, ht_ref)
+        assert any(dict(k[0]).get("ctas") == 3 for k in keys)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, _ = kda_fwd.kda_fwd(*args, **state)  # (the last state: none, whose o_ref is the one above)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_g, o_ref)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_ctas3_ignores_later_sequences(monkeypatch):
+    """At three CTAs an SM g lands in K̃'s tile: a partial chunk's rows past its sequence (the next tokens there) are
+    zeroed before phase 2 writes K̃ over them, so Inf in every later sequence's q and k and NaN in its g leave the
+    first sequences' o and final states bitwise unchanged (cu_seqlens 0, 0, 15, 15, 79, 200: the first chunk is
+    partial); packed, w in stage 2."""
+    from cula.kernels.sm90 import kda_fwd_check as chk
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+
+    (spec,) = [c for c in chk.CASES if c[0] == "tc-varlen-zero"]
+    args, kw = chk._inputs(*spec, dev=torch.device("cuda"))
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    monkeypatch.setattr(kda_fwd, "W_IN_RECUR", True)
+    monkeypatch.setattr(kda_fwd, "PACK", "1")
+    monkeypatch.setattr(intra_tc, "CTAS", 3)
+    o, ht = kda_fwd.kda_fwd(*args, **kw)
+    q, k, v, g, beta = args
+    q_bad, k_bad, g_bad = q.clone(), k.clone(), g.clone()
+    q_bad[:, 15:] = float("inf")
+    k_bad[:, 15:] = float("inf")
+    assert g.dtype == torch.bfloat16
+    g_bad[:, 15:] = float("nan")
+    o2, ht2 = kda_fwd.kda_fwd(q_bad, k_bad, v, g_bad, beta, **kw)
+    assert torch.isfinite(o[:, :15]).all() and torch.equal(o[:, :15], o2[:, :15])
+    assert torch.equal(ht[:2], ht2[:2])
+
+
+def test_ctas3_needs_the_packed_w_in_recur_stage_1_and_fits_three_ctas_an_sm(monkeypatch):
+    """CTAS 3 (three stage-1 CTAs an SM) is only built for the packed w-in-stage-2 stage 1 with 32-row blocks, the one
+    that leaves the X, v and 48-row B' tiles dead: its storage then fits three CTAs an SM with the driver's 1 KB each;
+    anything else is refused by name. The host asks for it only there (the key of every other call stays as it was)."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+
+    full = dict(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True, allow_neg_eigval=False,
+                group=1, t_out=True, factor_block=32)
+    lean = intra_tc.KdaFwdIntraTC(**full, pack=True, x_out=True, ctas=3).storage_class().size_in_bytes()
+    wide = intra_tc.KdaFwdIntraTC(**full, pack=True, x_out=True).storage_class().size_in_bytes()
+    assert 3 * (lean + 1024) <= intra_tc.SMEM_PER_SM < 3 * (wide + 1024)
+    for bad in (dict(full, pack=True), dict(full, x_out=True), dict(full, pack=True, x_out=True, factor_block=16),
+                dict(full, pack=True, x_out=True, diag=("no_qg_kgt",))):
+        with pytest.raises(ValueError, match="ctas"):
+            intra_tc.KdaFwdIntraTC(**bad, ctas=3)
+    with pytest.raises(ValueError, match="ctas"):
+        intra_tc.KdaFwdIntraTC(**full, pack=True, x_out=True, ctas=4)
+
+    calls = record_kda_launches(monkeypatch)
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    monkeypatch.setattr(intra_tc, "CTAS", 3)
+    flags = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                 lower_bound=-5.0, safe_gate=True)
+    args, kw = _case(1, 600, 2, 2, None, seed=2, **flags)  # 10 chunks
+    args = tuple(x.bfloat16() for x in args)
+    for pack, w_in, lb, want in (("1", True, -5.0, 3), ("0", True, -5.0, None), ("1", False, -5.0, None),
+                                 ("1", True, -11.0, None)):  # -11: 16-row blocks
+        monkeypatch.setattr(kda_fwd, "PACK", pack)
+        monkeypatch.setattr(kda_fwd, "W_IN_RECUR", w_in)
+        calls.clear()
+        kda_fwd.kda_fwd(*args, **{**kw, "lower_bound": lb})
+        assert dict(calls[0][1][0]).get("ctas") == want, (pack, w_in, lb)
+
+
+def test_ptx_ctas3():
+    """The packed w-in-stage-2 stage 1 at three CTAs an SM: within the 168 registers that leaves, no spills or local
+    memory, the same 44 wgmma; -X's TMA store (two boxes) goes, eight 16-byte stores a thread take its place."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common.ptx_check import ptx_reports
+
+    names = ["intra_tc_t_out_block32_pack_x", "intra_tc_t_out_block32_pack_x_ctas3"]
+    r = ptx_reports("cula.kernels.sm90.kda_fwd", names)
+    two, three = (r[n] for n in names)
+    assert three.spill_bytes == 0 and ".local" not in three.ptx and three.max_registers <= 168
+    assert ".maxnreg" in three.ptx or ".minnctapersm 3" in three.ptx
+    assert three.count("wgmma.mma_async") == two.count("wgmma.mma_async") == 44
+    assert three.count("cp.async.bulk.tensor") == two.count("cp.async.bulk.tensor") - 2
+    assert three.count("st.global.v4") == two.count("st.global.v4") + 8
+
+
 def _pack_like_stage1(aqk: torch.Tensor, tp: torch.Tensor, gam: torch.Tensor) -> tuple:
     """What stage 1 writes with PACK, in torch: per chunk Aqk on and below the diagonal and T' transposed above
     it, and γ's row followed by T''s diagonal (64 bf16 in 32 floats)."""

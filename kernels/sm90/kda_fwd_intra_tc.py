@@ -69,6 +69,13 @@ COLS_PER_THREAD = 8  # ... x 8 consecutive columns (one 16-byte bf16 vector per 
 GROUPS = CHUNK // ROWS_PER_THREAD  # 8 row groups of 8; group g is lanes 16(g%2).. of warp g//2
 GROUPS_PER_BLOCK = SUB // ROWS_PER_THREAD  # 2 row groups per 16-row block (one warp)
 CTAS_PER_SM = 2  # ~104 KB smem and <= 255 registers each: two chunks in flight per SM
+#: CTAs per SM (``CULA_KDA_TC_CTAS``, session 33): 3 is for the packed w-in-stage-2 stage 1 with 32-row blocks
+#: (``x_out``, ``pack``, factor_block 32), whose dead tiles then go: -X leaves from registers as qg does (no X tile),
+#: the v tile and the 48-row B' tile were never touched, and the g copy lands in K̃'s tile (dead until phase 2 writes
+#: K̃). That is 70 KB a CTA, and ptxas keeps the code under the 168 registers three CTAs leave a thread (unpacked it
+#: spilled 8 bytes): 12 warps per SM instead of 8 to cover the loads' wait, a fifth of a chunk's life at two CTAs.
+CTAS_MODES = (CTAS_PER_SM, 3)
+CTAS = int(__import__("os").environ.get("CULA_KDA_TC_CTAS", str(CTAS_MODES[0])))
 PAD = CHUNK + 4  # fp32 row pitch of the 64x64 matrices of the inverse: 16-byte rows, rows 4 apart on other banks
 YPAD = 2 * SUB  # fp32 row pitch of the inverse's 32x32 scratch Y
 #: fp32 elements by which the padded 64x64 matrices overrun their 16 KB operand tiles (sA into sQa, sT into
@@ -256,6 +263,7 @@ class KdaFwdIntraTC:
         pack: bool = False,
         order: str = ORDER_MODES[0],
         x_out: bool = False,
+        ctas: int = CTAS_MODES[0],
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -294,6 +302,15 @@ class KdaFwdIntraTC:
         if x_out and not t_out:
             raise ValueError("x_out (CULA_KDA_W_IN_RECUR): needs t_out (u in stage 2), got t_out=False")
         self.x_out = x_out
+        # CTAs per SM (CTAS): 3 drops the X, v and 48-row B' tiles, which only x_out with 32-row blocks leaves dead
+        if ctas not in CTAS_MODES:
+            raise ValueError(f"ctas (CULA_KDA_TC_CTAS): expected one of {CTAS_MODES}, got {ctas!r}")
+        if ctas != CTAS_MODES[0] and not (x_out and pack and factor_block != SUB and not diag):
+            raise ValueError(f"ctas (CULA_KDA_TC_CTAS) = {ctas}: needs x_out (w in stage 2), pack, 32-row factor "
+                             f"blocks and no diagnostics, got x_out={x_out}, pack={pack}, factor_block={factor_block}, "
+                             f"diag={tuple(diag)}")
+        self.ctas = ctas
+        self.lean_smem = ctas != CTAS_MODES[0]  # no X, v or 48-row B' tile; g lands in K̃'s
         # no v loads, prefetches or tile and no u product or store: t_out, or the diagnostic that times it
         self.skip_vu = t_out or "no_v_u" in self.diag
         self.clock = "clock" in self.diag  # phase timestamps (CLOCK_STAMPS), the outputs unchanged
@@ -419,9 +436,9 @@ class KdaFwdIntraTC:
             mma_diag, mma_offs[0], mma_offs[1], mma_offs[2], mma_wu,
             self.a_layout, self.kt_layout, kb_layouts[0], kb_layouts[1], kb_layouts[2], self.x_layout,
             self.tb_layout, self.w_layout, self.aqk_layout,
-            num_heads, HV, NC, scale, lower_bound,
+            num_heads, HV, NC, scale, lower_bound, pW if cutlass.const_expr(self.lean_smem) else None,
         ).launch(grid=self.grid(NC, HV), block=[THREADS, 1, 1], stream=stream,
-                 smem=self.launch_smem(SharedStorage.size_in_bytes()), min_blocks_per_mp=CTAS_PER_SM)
+                 smem=self.launch_smem(SharedStorage.size_in_bytes()), min_blocks_per_mp=self.ctas)
 
     def grid(self, NC, HV) -> list:
         """The launch grid of ``order``: one CTA per (chunk, value head); "head_rev" needs NC <= MAX_GRID_Y."""
@@ -476,6 +493,9 @@ class KdaFwdIntraTC:
                       sX=tile, sV=al[mr[BF16, CHUNK * DV], 1024],
                       sTot=al[mr[F32, (GROUPS + 1) * DK], 16], sFirst=al[mr[F32, NBLK * DK], 16],
                       sC=al[mr[BF16, len(PAIRS) * DK], 16], sBeta=al[mr[F32, CHUNK], 16])
+        if self.lean_smem:  # (sKb1 and sKb2 stay side by side: the Aqk staging spans them)
+            for dead in ("sKb3", "sX", "sV"):
+                del fields[dead]
         if self.tma_qk:  # the loads' mbarrier(s: g_first), in the struct's 1 KB alignment padding (same total)
             fields["sMbar"] = al[mr[cutlass.Int64, 2 if self.g_first else 1], 8]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
@@ -526,6 +546,7 @@ class KdaFwdIntraTC:
         NC: cutlass.Int32,
         scale: cutlass.Float32,
         lower_bound: cutlass.Float32,
+        pXd,  # lean_smem: the w buffer, where -X goes straight from registers (None otherwise)
     ):
         if cutlass.const_expr(self.pdl_trigger == "start"):
             cute.arch.griddepcontrol_launch_dependents()
@@ -538,7 +559,7 @@ class KdaFwdIntraTC:
                 tma_u, tU, tma_aqk, tAqk, tma_q, tQ, tma_k, tK, tma_g, tG, mma_diag, mma_off1, mma_off2, mma_off3,
                 mma_wu,
                 a_layout, kt_layout, kb1_layout, kb2_layout, kb3_layout, x_layout, tb_layout, w_layout, aqk_layout, H,
-                HV, NC, scale, lower_bound,
+                HV, NC, scale, lower_bound, pXd,
             )
         if cutlass.const_expr(self.pdl_trigger == "end"):
             cute.arch.griddepcontrol_launch_dependents()
@@ -735,6 +756,7 @@ class KdaFwdIntraTC:
         NC: cutlass.Int32,
         scale: cutlass.Float32,
         lower_bound: cutlass.Float32,
+        pXd,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         ts = None  # the clock diagnostic's stamps (thread 0's registers)
@@ -761,8 +783,10 @@ class KdaFwdIntraTC:
         sKa = st.sKa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sQa = st.sQa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sKt = st.sKt.get_tensor(kt_layout.outer, swizzle=kt_layout.inner)
-        sX = st.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
-        sV = st.sV.get_tensor(x_layout.outer, swizzle=x_layout.inner)
+        sX = sV = None
+        if cutlass.const_expr(not self.lean_smem):
+            sX = st.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
+            sV = st.sV.get_tensor(x_layout.outer, swizzle=x_layout.inner)
         # group totals of g (phase 1), then their exclusive prefix by group plus the chunk total in row
         # groups (phase 2's column pass)
         sTot = st.sTot.get_tensor(cute.make_layout((GROUPS + 1, DK), stride=(DK, 1)))
@@ -782,18 +806,22 @@ class KdaFwdIntraTC:
         aqk_raw = st.sKb1.data_ptr() + 2 * 1024
         sAqk = _tile(aqk_raw, aqk_layout)
         # B'_1..3 (K̂ itself lands in B'_3's rows, which hold blocks 0-2)
-        kb_raws = (st.sKb1.data_ptr(), st.sKb2.data_ptr(), st.sKb3.data_ptr())
+        kb_raws = (st.sKb1.data_ptr(), st.sKb2.data_ptr(), None)
         kb_tiles = (st.sKb1.get_tensor(kb1_layout.outer, swizzle=kb1_layout.inner),
-                    st.sKb2.get_tensor(kb2_layout.outer, swizzle=kb2_layout.inner),
-                    st.sKb3.get_tensor(kb3_layout.outer, swizzle=kb3_layout.inner))
-        sWst = st.sX.get_tensor(w_layout.outer, swizzle=w_layout.inner)
-        sUst = st.sV.get_tensor(w_layout.outer, swizzle=w_layout.inner)
+                    st.sKb2.get_tensor(kb2_layout.outer, swizzle=kb2_layout.inner), None)
+        sWst = sUst = x_raw = v_raw = None
+        if cutlass.const_expr(not self.lean_smem):
+            kb_raws = (kb_raws[0], kb_raws[1], st.sKb3.data_ptr())
+            kb_tiles = (kb_tiles[0], kb_tiles[1], st.sKb3.get_tensor(kb3_layout.outer, swizzle=kb3_layout.inner))
+            sWst = st.sX.get_tensor(w_layout.outer, swizzle=w_layout.inner)
+            sUst = st.sV.get_tensor(w_layout.outer, swizzle=w_layout.inner)
+            x_raw = st.sX.data_ptr()
+            v_raw = st.sV.data_ptr()
         # unswizzled tile starts, for the 16-byte vector accesses of the pointwise phases
         ka_raw = st.sKa.data_ptr()
         qa_raw = st.sQa.data_ptr()
         kt_raw = st.sKt.data_ptr()
-        x_raw = st.sX.data_ptr()
-        v_raw = st.sV.data_ptr()
+        g_raw = kt_raw if cutlass.const_expr(self.lean_smem) else x_raw  # where a TMA'd g lands (tma_qkg, g_first)
 
         # ================================================================ phase 1: loads, gate, scan
         a_exp = F32(1.0)
@@ -828,8 +856,10 @@ class KdaFwdIntraTC:
         if cutlass.const_expr(self.tma_qk):  # q and k straight into the Qa / Ka tiles, issued first
             mbar = st.sMbar.data_ptr()
             mbar_qk = mbar + 1 if cutlass.const_expr(g_first) else mbar  # g_first: g on mbar, q and k on this
-            s_g = sX  # tma_qkg: the X tile, read as a K-major tile (dead until phase 2 writes X)
-            if cutlass.const_expr(g_by_tma):
+            s_g = sX  # tma_qkg: the X tile, read as a K-major tile (dead until phase 2 writes X; lean_smem: K̃'s)
+            if cutlass.const_expr(g_by_tma and self.lean_smem):
+                s_g = _tile(g_raw, a_layout)
+            elif cutlass.const_expr(g_by_tma):
                 s_g = st.sX.get_tensor(a_layout.outer, swizzle=a_layout.inner)
             if warp == 0:  # a TMA copy is issued by a whole warp (it elects its one issuing lane)
                 if lane == 0:
@@ -900,7 +930,7 @@ class KdaFwdIntraTC:
             self.stamp(ts, "tma_wait", tidx)  # q, k (and g) have landed (g_first: g alone)
             landed = [] if cutlass.const_expr(g_first) else [(qa_raw, raw_q), (ka_raw, raw_k)]
             if cutlass.const_expr(g_by_tma):
-                landed.append((x_raw, raw_g))
+                landed.append((g_raw, raw_g))
             _read_landed_rows(a_layout, landed, nvalid, r0, d0)
         for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
@@ -1042,6 +1072,9 @@ class KdaFwdIntraTC:
             if cutlass.const_expr(self.use_qk_l2norm):
                 self.row_norms(ssq, lane)
         qg_head = pQG + (hv * R + row0) * DK
+        x_head = None
+        if cutlass.const_expr(self.lean_smem):
+            x_head = pXd + (hv * R + row0) * DK
         for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
             keep = F32(1.0)  # rows past the end: q̂ = k̂ = 0 (so Ka, Qa, K̃, K̂, X, qg, kg are zero)
@@ -1109,7 +1142,10 @@ class KdaFwdIntraTC:
                     obf.store(bp.load().to(BF16))
                     _st8(kb2_layout, kb_raws[1], (r, d0, 0), obf)
             obf.store(xx.load().to(BF16))
-            _st8(x_layout, x_raw, (d0, r, 0), obf)
+            if cutlass.const_expr(self.lean_smem):  # -X straight to the w rows, as qg below
+                _vec(x_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
+            else:
+                _st8(x_layout, x_raw, (d0, r, 0), obf)
             obf.store(qg.load().to(BF16))
             if cutlass.const_expr("no_qg_kgt" in self.diag):
                 if scale < F32(0.0):  # never (timing only): formed, not stored
@@ -1133,7 +1169,7 @@ class KdaFwdIntraTC:
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
         self.stamp(ts, "phase2", tidx)
-        if cutlass.const_expr(self.x_out):  # -X is complete: it leaves now, under phases 3-4
+        if cutlass.const_expr(self.x_out and not self.lean_smem):  # -X is complete: it leaves now, under phases 3-4
             self.store_tile(tma_w, tW, sX, hv, (DK, CHUNK), (0, None), chunk, "no_wu_store" in self.diag, scale, warp,
                             lane)
         if cutlass.const_expr(fbk == SUB):
@@ -1155,9 +1191,9 @@ class KdaFwdIntraTC:
         acc_ob = [[] for _ in a_tiles]  # [product][row block I - 1], m64n(fbk I)
         # row block I's off-diagonal part is rows fbk I.. of Ka B'_Iᵀ (the other rows are never read): per
         # block I, its tiled MMA and B' tile (16-row blocks: m64n16 / n32 / n48; 32-row blocks: one m64n32)
-        offs = ((mma_off1, kb_tiles[0]), (mma_off2, kb_tiles[1]), (mma_off3, kb_tiles[2]))
-        if cutlass.const_expr(fbk != SUB):
-            offs = ((mma_off2, kb_tiles[1]),)
+        offs = ((mma_off2, kb_tiles[1]),)
+        if cutlass.const_expr(fbk == SUB):
+            offs = ((mma_off1, kb_tiles[0]), (mma_off2, kb_tiles[1]), (mma_off3, kb_tiles[2]))
         for ib in cutlass.range_constexpr(1, CHUNK // fbk):
             mma_i, kb_i = offs[ib - 1]
             thr_i = mma_i.get_slice(tidx)
@@ -1735,6 +1771,10 @@ def compile_targets():
         # w in stage 2 (kda_fwd.W_IN_RECUR): -X stored from its tile, no w product; packed and unpacked
         "t_out_block32_pack_x": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True, x_out=True),
         "t_out_block32_x": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, x_out=True),
+        # the packed one at three CTAs per SM (CTAS: no X, v or 48-row B' tile, -X from registers; the unpacked one
+        # spilled 8 bytes at the 168 registers that leaves)
+        "t_out_block32_pack_x_ctas3": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
+                                            x_out=True, ctas=3),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
