@@ -200,6 +200,12 @@ def test_s33_checks_three_ctas_unpacked_and_packed_the_gpu_tests_then_splits_aga
     assert all("--split worst" in c for c in splits) and ["TC_CTAS=3" in c for c in splits] == [False, True] * 2
 
 
+def test_sanitize_ctas3_runs_memcheck_then_racecheck_at_three_ctas_packed(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "sanitize_ctas3")
+    assert [c.split("--tool ")[1].split()[0] for c in cmds] == ["memcheck", "racecheck"]
+    assert all("CULA_KDA_TC_CTAS=3" in c and "CULA_KDA_PACK=1" in c and "tc-T65-gva-vfirst" in c for c in cmds)
+
+
 def test_ctas3_suite_runs_the_kda_suite_at_three_ctas_into_its_own_folder(tmp_path):
     (cmd,) = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "ctas3_suite")
     assert "CULA_KDA_TC_CTAS=3" in cmd and "--suite kda " in cmd and cmd.rstrip().endswith("--max-time 0.2")

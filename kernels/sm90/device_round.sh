@@ -394,6 +394,16 @@ for s in $steps; do
             --check --no-bench --cases $phase1_cases
         step s33_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py -k "ctas3"
         mode_splits s33_split default ctas3 default ctas3 ;;
+    sanitize_ctas3)  # session 33: memcheck and racecheck of the three-CTA stage 1 (packed: g lands in K̃'s tile, which
+        # phase 2 then overwrites; AOT ctas3_pack_checks)
+        step kda_memcheck_ctas3 150 env CULA_KDA_TC_CTAS=3 CULA_KDA_PACK=1 /usr/local/cuda/bin/compute-sanitizer \
+            --tool memcheck --report-api-errors no --print-limit 5 python3 -m cula.kernels.sm90.kda_fwd --check \
+            --no-bench --no-fla --cases tc-varlen-zero,tc-T65-gva-vfirst
+        grep -E "ERROR SUMMARY|Invalid" "$OUT/kda_memcheck_ctas3.log" | head -5
+        step kda_racecheck_ctas3 200 env CULA_KDA_TC_CTAS=3 CULA_KDA_PACK=1 /usr/local/cuda/bin/compute-sanitizer \
+            --tool racecheck --report-api-errors no --print-limit 5 python3 -m cula.kernels.sm90.kda_fwd --check \
+            --no-bench --no-fla --cases tc-T65-gva-vfirst
+        grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard" "$OUT/kda_racecheck_ctas3.log" | head -5 ;;
     ctas3_suite)  # session 33: the kda suite with stage 1 at three CTAs per SM into $OUT/ctas3: an A/B against
         # kda_suite on the same card, not for publishing (AOT suites_ctas3)
         mkdir -p "$OUT/ctas3"
