@@ -190,13 +190,13 @@ def test_no_w_in_suite_runs_the_kda_suite_with_w_in_stage_2_off_into_its_own_fol
     assert "/no_w_in" in cmd.split("--out-dir ")[1].split()[0]
 
 
-def test_s33_checks_three_ctas_packed_the_gpu_tests_then_splits_it_against_the_default(tmp_path):
+def test_s33_checks_the_packed_default_the_gpu_tests_then_splits_two_ctas_against_it(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "s33")
-    assert len(cmds) == 7 and all("CULA_KDA_PACK=1" in c and "CULA_KDA_TC_CTAS=3" in c for c in cmds[:2])
+    assert len(cmds) == 7 and all("CULA_KDA_PACK=1" in c and "CTAS" not in c for c in cmds[:2])
     assert "--cases tc-T65-gva-vfirst" in cmds[0] and "tc-loggate-safe-varlen" in cmds[1]
     assert "pytest" in cmds[2] and "ctas3" in cmds[2]
     splits = cmds[3:]
-    assert all("--split worst" in c for c in splits) and ["TC_CTAS=3" in c for c in splits] == [False, True] * 2
+    assert all("--split worst" in c for c in splits) and ["TC_CTAS=2" in c for c in splits] == [True, False] * 2
 
 
 def test_sanitize_ctas3_runs_memcheck_then_racecheck_at_three_ctas_packed(tmp_path):
@@ -205,10 +205,10 @@ def test_sanitize_ctas3_runs_memcheck_then_racecheck_at_three_ctas_packed(tmp_pa
     assert all("CULA_KDA_TC_CTAS=3" in c and "CULA_KDA_PACK=1" in c and "tc-T65-gva-vfirst" in c for c in cmds)
 
 
-def test_ctas3_suite_runs_the_kda_suite_at_three_ctas_into_its_own_folder(tmp_path):
-    (cmd,) = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "ctas3_suite")
-    assert "CULA_KDA_TC_CTAS=3" in cmd and "--suite kda " in cmd and cmd.rstrip().endswith("--max-time 0.2")
-    assert "/ctas3" in cmd.split("--out-dir ")[1].split()[0]
+def test_ctas2_suite_runs_the_kda_suite_at_two_ctas_into_its_own_folder(tmp_path):
+    (cmd,) = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "ctas2_suite")
+    assert "CULA_KDA_TC_CTAS=2" in cmd and "--suite kda " in cmd and cmd.rstrip().endswith("--max-time 0.2")
+    assert "/ctas2" in cmd.split("--out-dir ")[1].split()[0]
 
 
 def test_pack_premise_splits_the_byte_diagnostics_against_the_default_twice(tmp_path):

@@ -215,11 +215,11 @@ SCENARIOS = {
     "no_w_in_checks": ("tc", {"W_IN_RECUR": False}),
     "no_w_in_pack_checks": ("tc", {"W_IN_RECUR": False, "PACK": "1"}),
     "no_w_in_split": ("split", {"W_IN_RECUR": False}),
-    # device_round s33, ctas3_suite: stage 1 at three CTAs per SM (intra_tc.CTAS, opt-in) in the packed check cases
-    # (the checks' and the GPU tests' calls), the splits and the kda suite
-    "ctas3_pack_checks": ("tc", {"intra_tc.CTAS": 3, "PACK": "1"}),
-    "ctas3_split": ("split", {"intra_tc.CTAS": 3}),
-    "suites_ctas3": ("suites", {"intra_tc.CTAS": 3}),
+    # device_round s33, ctas2_suite: stage 1 at two CTAs per SM (intra_tc.CTAS; three is the default for the packed
+    # tile since session 33) in the packed check cases (the GPU tests' reference calls), the splits and the kda suite
+    "ctas2_pack_checks": ("tc", {"intra_tc.CTAS": 2, "PACK": "1"}),
+    "ctas2_split": ("split", {"intra_tc.CTAS": 2}),
+    "suites_ctas2": ("suites", {"intra_tc.CTAS": 2}),
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 

@@ -78,7 +78,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         unpacked) envs="CULA_KDA_PACK=0" ;;
         chunk) envs="CULA_KDA_TC_ORDER=chunk" ;;
         w_in) envs="CULA_KDA_W_IN_RECUR=1" ;;
-        ctas3) envs="CULA_KDA_TC_CTAS=3" ;;
+        ctas2) envs="CULA_KDA_TC_CTAS=2" ;;
         no_w_in) envs="CULA_KDA_W_IN_RECUR=0" ;;
         esac
         step ${prefix}_$m 50 env $envs python3 -u -m cula.kernels.sm90.kda_fwd --check --split ${SPLIT_SET:-worst}
@@ -382,17 +382,17 @@ for s in $steps; do
         step s32_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "w_in_recur"
         mode_splits s32_split no_w_in default no_w_in default ;;
-    s33)  # session 33: stage 1 at three CTAs per SM (CULA_KDA_TC_CTAS=3, for the packed tile: no X, v or 48-row B'
-        # tile, -X stored from registers, g landing in K̃'s tile; 70 KB and 168 registers a CTA): one case of a packed
-        # tile first, the nine checks packed (forced), its GPU tests (bitwise two CTAs, a later sequence's Inf / NaN
-        # ignored), then the default / ctas3 in the splits, twice (<= 500 s; AOT ctas3_pack_checks, pack_checks,
-        # split, ctas3_split)
-        step s33_sanity 45 env CULA_KDA_TC_CTAS=3 CULA_KDA_PACK=1 python3 -u -m cula.kernels.sm90.kda_fwd --check \
-            --no-bench --cases tc-T65-gva-vfirst || continue
-        step s33_check_pack 150 env CULA_KDA_TC_CTAS=3 CULA_KDA_PACK=1 python3 -u -m cula.kernels.sm90.kda_fwd \
+    s33)  # session 33: stage 1 at three CTAs per SM (the default for the packed tile: no X, v or 48-row B' tile, -X
+        # stored from registers, g landing in K̃'s tile; 70 KB and 168 registers a CTA): one case of a packed tile
+        # first, the nine checks packed (forced), its GPU tests (bitwise two CTAs, a later sequence's Inf / NaN
+        # ignored), then two CTAs / the default in the splits, twice (<= 500 s; AOT pack_checks, ctas2_pack_checks,
+        # split, ctas2_split)
+        step s33_sanity 45 env CULA_KDA_PACK=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases tc-T65-gva-vfirst || continue
+        step s33_check_pack 150 env CULA_KDA_PACK=1 python3 -u -m cula.kernels.sm90.kda_fwd \
             --check --no-bench --cases $phase1_cases
         step s33_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py -k "ctas3"
-        mode_splits s33_split default ctas3 default ctas3 ;;
+        mode_splits s33_split ctas2 default ctas2 default ;;
     sanitize_ctas3)  # session 33: memcheck and racecheck of the three-CTA stage 1 (packed: g lands in K̃'s tile, which
         # phase 2 then overwrites; AOT ctas3_pack_checks)
         step kda_memcheck_ctas3 150 env CULA_KDA_TC_CTAS=3 CULA_KDA_PACK=1 /usr/local/cuda/bin/compute-sanitizer \
@@ -403,11 +403,11 @@ for s in $steps; do
             --tool racecheck --report-api-errors no --print-limit 5 python3 -m cula.kernels.sm90.kda_fwd --check \
             --no-bench --no-fla --cases tc-T65-gva-vfirst
         grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard" "$OUT/kda_racecheck_ctas3.log" | head -5 ;;
-    ctas3_suite)  # session 33: the kda suite with stage 1 at three CTAs per SM into $OUT/ctas3: an A/B against
-        # kda_suite on the same card, not for publishing (AOT suites_ctas3)
-        mkdir -p "$OUT/ctas3"
-        step kda_suite_ctas3 150 env CULA_GIT_DIRTY=0 CULA_KDA_TC_CTAS=3 python3 -m cula.cli bench --suite kda \
-            --mode both --impl fla,cula --plain --out-dir "$OUT/ctas3" --max-time 0.2 ;;
+    ctas2_suite)  # session 33: the kda suite with stage 1 at two CTAs per SM into $OUT/ctas2: an A/B against
+        # kda_suite on the same card, not for publishing (AOT suites_ctas2)
+        mkdir -p "$OUT/ctas2"
+        step kda_suite_ctas2 150 env CULA_GIT_DIRTY=0 CULA_KDA_TC_CTAS=2 python3 -m cula.cli bench --suite kda \
+            --mode both --impl fla,cula --plain --out-dir "$OUT/ctas2" --max-time 0.2 ;;
     pack_premise)  # session 29: what packing Aqk and T' into one 64 x 64 tile (8 KB a chunk instead of 16) would
         # save at most, timing only (outputs wrong): stage 1 without T''s store (CULA_KDA_TC_DIAG=no_tp_store) and
         # stage 2 reading ~8 KB of distinct [Aqk | T'] memory a chunk (CULA_KDA_RECUR_DIAG=half_at), against the
