@@ -75,7 +75,8 @@ CTAS_PER_SM = 2  # ~104 KB smem and <= 255 registers each: two chunks in flight 
 #: K̃). That is 70 KB a CTA, and ptxas keeps the code under the 168 registers three CTAs leave a thread (unpacked it
 #: spilled 8 bytes): 12 warps per SM instead of 8 to cover the loads' wait, a fifth of a chunk's life at two CTAs.
 CTAS_MODES = (CTAS_PER_SM, 3)
-#: The default since session 33 (where the host can take it: packed, w in stage 2, 32-row blocks); 2 for A/B.
+#: The default since session 33 where the host can take it (packed, w in stage 2, 32-row blocks); 2 for A/B. H100:
+#: stage 1 -12% at B2 T16384 (1.524 -> 1.340 ms), the kda suite 2.98x -> 3.14x FLA on one card (kda_fwd_log.md).
 CTAS = int(__import__("os").environ.get("CULA_KDA_TC_CTAS", str(CTAS_MODES[1])))
 PAD = CHUNK + 4  # fp32 row pitch of the 64x64 matrices of the inverse: 16-byte rows, rows 4 apart on other banks
 YPAD = 2 * SUB  # fp32 row pitch of the inverse's 32x32 scratch Y
