@@ -834,27 +834,36 @@ def test_gpu_pack_equals_unpacked(name, monkeypatch):
     masks two copies of it into the very tiles the unpacked path loads. Stage 1's scratch, taken apart on the
     host, and o and the final state are bitwise the unpacked path's, with and without a state, twice, and o
     inside a CUDA graph."""
+    args, kw = _equality_case(name)
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    _check_bitwise_equal(args, kw, lambda: monkeypatch.setattr(kda_fwd, "PACK", "0"),
+                         lambda: monkeypatch.setattr(kda_fwd, "PACK", "1"))
+
+
+def _equality_case(name: str) -> tuple:
+    """Inputs (on the GPU) of a check case (kda_fwd_check.CASES) by name, or of the equality tests' two longer varlen
+    batches: "big-varlen" (20 random sequences, 8192 tokens) and "short-zero-varlen" (SHORT_ZERO_LENGTHS)."""
     from cula.kernels.sm90 import kda_fwd_check as chk
+    from cula.suites.lengths import cu_seqlens_from_lengths, varlen_lengths
 
-    dev = torch.device("cuda")
-    if name == "big-varlen":
-        from cula.suites.lengths import cu_seqlens_from_lengths, varlen_lengths
-
-        cu = cu_seqlens_from_lengths(varlen_lengths("random", 20, 8192))
-        case = (name, 1, 8192, 16, 16, cu, dict(chk._TC, lower_bound=-5.0))
-    elif name == "short-zero-varlen":
-        from cula.suites.lengths import cu_seqlens_from_lengths
-
-        cu = cu_seqlens_from_lengths(SHORT_ZERO_LENGTHS)
-        case = (name, 1, sum(SHORT_ZERO_LENGTHS), 16, 16, cu, dict(chk._TC, lower_bound=-5.0))
+    lengths = {"big-varlen": lambda: varlen_lengths("random", 20, 8192),
+               "short-zero-varlen": lambda: SHORT_ZERO_LENGTHS}
+    if name in lengths:
+        lens = lengths[name]()
+        case = (name, 1, sum(lens), 16, 16, cu_seqlens_from_lengths(lens), dict(chk._TC, lower_bound=-5.0))
     else:
         case = next(c for c in chk.CASES if c[0] == name)
-    args, kw = chk._inputs(*case, dev=dev)
-    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    return chk._inputs(*case, dev=torch.device("cuda"))
+
+
+def _check_bitwise_equal(args, kw, reference, candidate, after=lambda: None):
+    """With and without a state: the scratch, o and the final state of two calls made after ``candidate()`` are
+    bitwise those of one made after ``reference()`` (each sets the module state it stands for), then ``after()``
+    runs; and o of a CUDA graph of the stateless call under ``candidate`` is that call's o."""
     for state in (kw, {**kw, "initial_state": None, "output_final_state": False}):
-        monkeypatch.setattr(kda_fwd, "PACK", "0")
+        reference()
         o_ref, ht_ref, scr_ref = kda_fwd.kda_fwd(*args, **state, return_scratch=True)
-        monkeypatch.setattr(kda_fwd, "PACK", "1")
+        candidate()
         for _ in range(2):
             o, ht, scr = kda_fwd.kda_fwd(*args, **state, return_scratch=True)
             torch.cuda.synchronize()
@@ -863,6 +872,7 @@ def test_gpu_pack_equals_unpacked(name, monkeypatch):
                 assert torch.equal(scr[n], scr_ref[n]), n
             assert torch.equal(o, o_ref)
             assert (ht is None and ht_ref is None) or torch.equal(ht, ht_ref)
+        after()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         o_g, _ = kda_fwd.kda_fwd(*args, **state)  # (the last state: none, whose o_ref is the one above)
@@ -1214,8 +1224,8 @@ def test_ptx_w_in_recur():
         assert r[n].count("wgmma.mma_async") == 28 and shared_a(r[n]) == 0, n
 
 
-#: The GPU test's cases for CTAS 3: fixed, GVA V-first (two chunks), varlen with zero-length segments and partial chunks,
-#: 33 segments, a log-space gate, an fp32 gate (by per-thread loads: nothing lands in K̃'s tile), a long random batch
+#: The GPU test's cases for CTAS 3: fixed, GVA V-first (two chunks), varlen with zero-length segments and partial
+#: chunks, 33 segments, a log-space gate, an fp32 gate (by per-thread loads: nothing lands in K̃'s tile), a long random batch
 CTAS3_CASES = ["tc-T1000-negeig", "tc-T65-gva-vfirst", "tc-varlen-zero", "tc-varlen-33", "tc-loggate-safe-varlen",
                "tc-fp32-gate-plainbeta", "big-varlen"]
 
@@ -1227,44 +1237,27 @@ def test_gpu_ctas3_equals_the_default(name, monkeypatch):
     """Stage 1 at three CTAs an SM (CTAS 3: -X stored from registers, g landing in K̃'s tile, the launch bound) moves
     no value: the scratch, o and the final state are bitwise the two-CTA stage 1's (packed, w in stage 2), with and
     without a state, twice, and o inside a CUDA graph; the calls did build the three-CTA stage 1."""
-    from cula.kernels.sm90 import kda_fwd_check as chk
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
-    dev = torch.device("cuda")
-    if name == "big-varlen":
-        from cula.suites.lengths import cu_seqlens_from_lengths, varlen_lengths
-
-        cu = cu_seqlens_from_lengths(varlen_lengths("random", 20, 8192))
-        case = (name, 1, 8192, 16, 16, cu, dict(chk._TC, lower_bound=-5.0))
-    else:
-        case = next(c for c in chk.CASES if c[0] == name)
-    args, kw = chk._inputs(*case, dev=dev)
+    args, kw = _equality_case(name)
     keys = []
     launcher = kda_fwd._launcher
     monkeypatch.setattr(kda_fwd, "_launcher", lambda kind, key, *a: keys.append(key) or launcher(kind, key, *a))
     monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
     monkeypatch.setattr(kda_fwd, "W_IN_RECUR", True)
     monkeypatch.setattr(kda_fwd, "PACK", "1")
-    for state in (kw, {**kw, "initial_state": None, "output_final_state": False}):
-        monkeypatch.setattr(intra_tc, "CTAS", 2)
-        o_ref, ht_ref, scr_ref = kda_fwd.kda_fwd(*args, **state, return_scratch=True)
+
+    def three_ctas():
         monkeypatch.setattr(intra_tc, "CTAS", 3)
         keys.clear()
-        for _ in range(2):
-            o, ht, scr = kda_fwd.kda_fwd(*args, **state, return_scratch=True)
-            torch.cuda.synchronize()
-            assert scr.keys() == scr_ref.keys()
-            for n in scr_ref:
-                assert torch.equal(scr[n], scr_ref[n]), n
-            assert torch.equal(o, o_ref)
-            assert (ht is None and ht_ref is None) or torch.equal(ht, ht_ref)
-        assert any(dict(k[0]).get("ctas") == 3 for k in keys)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o_g, _ = kda_fwd.kda_fwd(*args, **state)  # (the last state: none, whose o_ref is the one above)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(o_g, o_ref)
+
+    _check_bitwise_equal(args, kw, lambda: monkeypatch.setattr(intra_tc, "CTAS", 2), three_ctas,
+                         after=lambda: _assert_built_three_ctas(keys))
+
+
+def _assert_built_three_ctas(keys: list) -> None:
+    """The calls recorded in ``keys`` (launcher keys) built the three-CTA stage 1."""
+    assert any(dict(k[0]).get("ctas") == 3 for k in keys)
 
 
 @pytest.mark.gpu
