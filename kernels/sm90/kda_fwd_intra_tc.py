@@ -23,7 +23,8 @@ accumulator carries ``2^SHIFT`` (``<= 2^119``, with l2-normalised q and k) until
 It is formed as ``K̂ ⊙ 2^(R_I − E_J)`` from ``K̂ = k̂ 2^(E_J − Γ)``, ``E_J = Γ_{16J+15}``.
 The host sends other gates to ``kda_fwd_intra`` (exact for any gate).
 
-One warpgroup (128 threads) per CTA, two CTAs per SM (113 KB of shared memory each). Phases:
+One warpgroup (128 threads) per CTA, two CTAs per SM (113 KB of shared memory each), or three where ``ctas=3``
+drops the tiles that the packed w-in-stage-2 hand-off leaves dead (69 KB each, see CTAS). Phases:
   1. loads (16-byte, coalesced): q, k, v, g of the chunk; thread t owns rows 8(t/16)..+7 and columns
      8(t%16)..+7, so a row's 16 owners are one half-warp (row norms by shuffles) and warp w owns
      16-row block w. Gate transform, in-thread cumsum down its 8 rows, group totals via smem.
@@ -487,7 +488,8 @@ class KdaFwdIntraTC:
     def storage_class(self):
         """The kernel's shared memory (see the smem budget in kda_fwd.md): the three B'_I tiles (16, 32, 48
         rows; 24 KB, contiguous: the inverse's sT overruns into the first, the Aqk staging follows) and bf16
-        factors, 113 KB in all, so two CTAs fit an SM (2 x (113 + 1) KB: all of its 228)."""
+        factors, 113 KB in all, so two CTAs fit an SM (2 x (113 + 1) KB: all of its 228). ``lean_smem`` (ctas=3)
+        drops B'_3, X and v: 69 KB, three CTAs (3 x (69 + 1) KB)."""
         mr, al = cute.struct.MemRange, cute.struct.Align
         tile = al[mr[BF16, CHUNK * DK], 1024]
         fields = dict(sKa=tile, sQa=tile, sKt=tile, sKb1=al[mr[BF16, SUB * DK], 1024],
@@ -808,17 +810,17 @@ class KdaFwdIntraTC:
         aqk_raw = st.sKb1.data_ptr() + 2 * 1024
         sAqk = _tile(aqk_raw, aqk_layout)
         # B'_1..3 (K̂ itself lands in B'_3's rows, which hold blocks 0-2)
-        kb_raws = (st.sKb1.data_ptr(), st.sKb2.data_ptr(), None)
-        kb_tiles = (st.sKb1.get_tensor(kb1_layout.outer, swizzle=kb1_layout.inner),
-                    st.sKb2.get_tensor(kb2_layout.outer, swizzle=kb2_layout.inner), None)
-        sWst = sUst = x_raw = v_raw = None
+        kb3_raw = kb3_tile = sWst = sUst = x_raw = v_raw = None
         if cutlass.const_expr(not self.lean_smem):
-            kb_raws = (kb_raws[0], kb_raws[1], st.sKb3.data_ptr())
-            kb_tiles = (kb_tiles[0], kb_tiles[1], st.sKb3.get_tensor(kb3_layout.outer, swizzle=kb3_layout.inner))
+            kb3_raw = st.sKb3.data_ptr()
+            kb3_tile = st.sKb3.get_tensor(kb3_layout.outer, swizzle=kb3_layout.inner)
             sWst = st.sX.get_tensor(w_layout.outer, swizzle=w_layout.inner)
             sUst = st.sV.get_tensor(w_layout.outer, swizzle=w_layout.inner)
             x_raw = st.sX.data_ptr()
             v_raw = st.sV.data_ptr()
+        kb_raws = (st.sKb1.data_ptr(), st.sKb2.data_ptr(), kb3_raw)
+        kb_tiles = (st.sKb1.get_tensor(kb1_layout.outer, swizzle=kb1_layout.inner),
+                    st.sKb2.get_tensor(kb2_layout.outer, swizzle=kb2_layout.inner), kb3_tile)
         # unswizzled tile starts, for the 16-byte vector accesses of the pointwise phases
         ka_raw = st.sKa.data_ptr()
         qa_raw = st.sQa.data_ptr()
