@@ -168,26 +168,31 @@ def test_one_cta_diagnostic_leaves_room_for_one_cta_only():
 
 
 @pytest.mark.gpu
-def test_gpu_stage1_runs_two_ctas_per_sm():
-    """The driver agrees that two stage-1 CTAs fit an SM: 2 x (115,712 + 1,024) B is exactly the H200's
-    228 KB, so a larger per-CTA reservation or one more shared field would halve the kernel's warps per
-    SM without any other symptom than time."""
+def test_gpu_stage1_runs_its_ctas_per_sm():
+    """The driver agrees with each stage 1 built on how many CTAs fit an SM: two for the full storage (2 x (115,712
+    + 1,024) B is exactly the H200's 228 KB) and three for the packed w-in-stage-2 one (``ctas=3``: 70,656 B and
+    168 registers). A larger per-CTA reservation, one more shared field or a few more registers would cut the
+    kernel's warps per SM without any other symptom than time."""
     from cuda.bindings import driver
 
     from cula.kernels.sm90 import kda_fwd
     from cula.kernels.sm90 import kda_fwd_check as chk
     from cula.kernels.sm90.kda_fwd_intra_tc import THREADS, KdaFwdIntraTC
 
-    smem = KdaFwdIntraTC(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True,
-                         allow_neg_eigval=False, group=1).storage_class().size_in_bytes()
-
-    case = next(c for c in chk.CASES if c[0] == "tc-T1")
-    args, kw = chk._inputs(*case, dev=torch.device("cuda"))
-    kda_fwd.kda_fwd(*args, **kw)
+    for name in ("tc-T1", "tc-T1000-negeig"):  # one chunk (unpacked), 16 chunks (packed: three CTAs)
+        case = next(c for c in chk.CASES if c[0] == name)
+        args, kw = chk._inputs(*case, dev=torch.device("cuda"))
+        kda_fwd.kda_fwd(*args, **kw)
     torch.cuda.synchronize()
-    launchers = [v for (kind, _), v in kda_fwd._LAUNCHERS.items() if kind == "intra_tc"]
-    assert launchers, "no tensor-core stage 1 was compiled"
-    fn = launchers[0].compiled._default_executor.exec_context.kernel_functions[0]
-    err, n = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, THREADS, smem)
-    assert err == driver.CUresult.CUDA_SUCCESS, err
-    assert n == 2, n
+    built = {}
+    for (kind, key), launcher in kda_fwd._LAUNCHERS.items():
+        if kind != "intra_tc" or "diag" in dict(key[0]):  # (another test's timing diagnostic, one_cta among them)
+            continue
+        kernel = KdaFwdIntraTC(**dict(key[0]))
+        smem = kernel.launch_smem(kernel.storage_class().size_in_bytes())
+        fn = launcher.compiled._default_executor.exec_context.kernel_functions[0]
+        err, n = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, THREADS, smem)
+        assert err == driver.CUresult.CUDA_SUCCESS, err
+        assert n == kernel.ctas, (dict(key[0]), smem, n)
+        built[kernel.ctas] = smem
+    assert set(built) == {2, 3}, built  # both tiles were built and checked
