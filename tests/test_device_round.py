@@ -199,6 +199,12 @@ def test_s33_checks_the_packed_default_the_gpu_tests_then_splits_two_ctas_agains
     assert all("--split worst" in c for c in splits) and ["TC_CTAS=2" in c for c in splits] == [True, False] * 2
 
 
+def test_s34_runs_the_occupancy_and_the_bitwise_equality_gpu_tests_at_the_defaults(tmp_path):
+    (cmd,) = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "s34")
+    assert "pytest" in cmd and "-m gpu" in cmd and "test_kda_tc_numerics.py" in cmd and "CULA_KDA" not in cmd
+    assert '-k ctas or pack_equals_unpacked' in cmd or '"ctas or pack_equals_unpacked"' in cmd
+
+
 def test_sanitize_ctas3_runs_memcheck_then_racecheck_at_three_ctas_packed(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "sanitize_ctas3")
     assert [c.split("--tool ")[1].split()[0] for c in cmds] == ["memcheck", "racecheck"]

@@ -393,6 +393,10 @@ for s in $steps; do
             --check --no-bench --cases $phase1_cases
         step s33_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py -k "ctas3"
         mode_splits s33_split ctas2 default ctas2 default ;;
+    s34)  # session 34: the driver's CTAs per SM for each stage 1 built (two unpacked, three packed) and the pack /
+        # three-CTA bitwise tests since their shared case builder (5946698) (~60 s; AOT checks, pack_checks)
+        step s34_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_tc_numerics.py \
+            tests/test_kernel_kda_fwd.py -k "ctas or pack_equals_unpacked" ;;
     sanitize_ctas3)  # session 33: memcheck and racecheck of the three-CTA stage 1 (packed: g lands in K̃'s tile, which
         # phase 2 then overwrites; AOT ctas3_pack_checks)
         step kda_memcheck_ctas3 150 env CULA_KDA_TC_CTAS=3 CULA_KDA_PACK=1 /usr/local/cuda/bin/compute-sanitizer \
