@@ -170,8 +170,8 @@ def test_one_cta_diagnostic_leaves_room_for_one_cta_only():
 @pytest.mark.gpu
 def test_gpu_stage1_runs_its_ctas_per_sm():
     """The driver agrees with each stage 1 built on how many CTAs fit an SM: two for the full storage (2 x (115,712
-    + 1,024) B is exactly the H200's 228 KB) and three for the packed w-in-stage-2 one (``ctas=3``: 70,656 B and
-    168 registers). A larger per-CTA reservation, one more shared field or a few more registers would cut the
+    + 1,024) B is exactly the H200's 228 KB) and three for the w-in-stage-2 one with 32-row blocks (``ctas=3``:
+    70,656 B and 168 registers). A larger per-CTA reservation, one more shared field or a few more registers would cut the
     kernel's warps per SM without any other symptom than time."""
     from cuda.bindings import driver
 
@@ -179,7 +179,8 @@ def test_gpu_stage1_runs_its_ctas_per_sm():
     from cula.kernels.sm90 import kda_fwd_check as chk
     from cula.kernels.sm90.kda_fwd_intra_tc import THREADS, KdaFwdIntraTC
 
-    for name in ("tc-T1", "tc-T1000-negeig"):  # one chunk (unpacked), 16 chunks (packed: three CTAs)
+    # one chunk (unpacked), 16 chunks (packed: three CTAs), a bound below -5.37 (16-row factor blocks: two)
+    for name in ("tc-T1", "tc-T1000-negeig", "tc-lb11-strong"):
         case = next(c for c in chk.CASES if c[0] == name)
         args, kw = chk._inputs(*case, dev=torch.device("cuda"))
         kda_fwd.kda_fwd(*args, **kw)
