@@ -205,6 +205,15 @@ def test_s34_runs_the_occupancy_and_the_bitwise_equality_gpu_tests_at_the_defaul
     assert '-k ctas or pack_equals_unpacked' in cmd or '"ctas or pack_equals_unpacked"' in cmd
 
 
+def test_s34u_checks_the_unpacked_default_the_gpu_tests_then_splits_two_ctas_against_it(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "s34u")
+    assert len(cmds) == 7 and all("CULA_KDA_PACK=0" in c and "CTAS" not in c for c in cmds[:2])
+    assert "--cases tc-T65-gva-vfirst" in cmds[0] and "tc-loggate-safe-varlen" in cmds[1]
+    assert "pytest" in cmds[2] and "ctas" in cmds[2] and "CULA_KDA_PACK" not in cmds[2]
+    splits = cmds[3:]
+    assert all("--split worst" in c for c in splits) and ["TC_CTAS=2" in c for c in splits] == [True, False] * 2
+
+
 def test_sanitize_ctas3_runs_memcheck_then_racecheck_at_three_ctas_packed(tmp_path):
     cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "sanitize_ctas3")
     assert [c.split("--tool ")[1].split()[0] for c in cmds] == ["memcheck", "racecheck"]

@@ -397,6 +397,17 @@ for s in $steps; do
         # three-CTA bitwise tests since their shared case builder (5946698) (~60 s; AOT checks, pack_checks)
         step s34_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_tc_numerics.py \
             tests/test_kernel_kda_fwd.py -k "ctas or pack_equals_unpacked" ;;
+    s34u)  # session 34: stage 1 at three CTAs for the unpacked tile too (short sequences: -X's store moved up beside
+        # K̃'s, no spill): one unpacked case first, the nine checks unpacked (forced), the GPU tests at both packings
+        # (bitwise two CTAs; a later sequence's Inf / NaN ignored), then two CTAs / the default in the splits, twice
+        # (<= 500 s; AOT unpacked_checks, ctas2_unpacked_checks, ctas2_pack_checks, split, ctas2_split)
+        step s34u_sanity 45 env CULA_KDA_PACK=0 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases tc-T65-gva-vfirst || continue
+        step s34u_check 150 env CULA_KDA_PACK=0 python3 -u -m cula.kernels.sm90.kda_fwd \
+            --check --no-bench --cases $phase1_cases
+        step s34u_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            tests/test_kda_tc_numerics.py -k "ctas"
+        mode_splits s34u_split ctas2 default ctas2 default ;;
     sanitize_ctas3)  # session 33: memcheck and racecheck of the three-CTA stage 1 (packed: g lands in K̃'s tile, which
         # phase 2 then overwrites; AOT ctas3_pack_checks)
         step kda_memcheck_ctas3 150 env CULA_KDA_TC_CTAS=3 CULA_KDA_PACK=1 /usr/local/cuda/bin/compute-sanitizer \
