@@ -1232,11 +1232,12 @@ CTAS3_CASES = ["tc-T1000-negeig", "tc-T65-gva-vfirst", "tc-varlen-zero", "tc-var
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("pack", ["1", "0"])
 @pytest.mark.parametrize("name", CTAS3_CASES)
-def test_gpu_ctas3_equals_the_default(name, monkeypatch):
+def test_gpu_ctas3_equals_the_default(name, pack, monkeypatch):
     """Stage 1 at three CTAs an SM (CTAS 3: -X stored from registers, g landing in K̃'s tile, the launch bound) moves
-    no value: the scratch, o and the final state are bitwise the two-CTA stage 1's (packed, w in stage 2), with and
-    without a state, twice, and o inside a CUDA graph; the calls did build the three-CTA stage 1."""
+    no value: the scratch, o and the final state are bitwise the two-CTA stage 1's (packed and unpacked, w in stage
+    2), with and without a state, twice, and o inside a CUDA graph; the calls did build the three-CTA stage 1."""
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
     args, kw = _equality_case(name)
@@ -1245,7 +1246,7 @@ def test_gpu_ctas3_equals_the_default(name, monkeypatch):
     monkeypatch.setattr(kda_fwd, "_launcher", lambda kind, key, *a: keys.append(key) or launcher(kind, key, *a))
     monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
     monkeypatch.setattr(kda_fwd, "W_IN_RECUR", True)
-    monkeypatch.setattr(kda_fwd, "PACK", "1")
+    monkeypatch.setattr(kda_fwd, "PACK", pack)
 
     def three_ctas():
         monkeypatch.setattr(intra_tc, "CTAS", 3)
@@ -1262,11 +1263,12 @@ def _assert_built_three_ctas(keys: list) -> None:
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_ctas3_ignores_later_sequences(monkeypatch):
+@pytest.mark.parametrize("pack", ["1", "0"])
+def test_gpu_ctas3_ignores_later_sequences(pack, monkeypatch):
     """At three CTAs an SM g lands in K̃'s tile: a partial chunk's rows past its sequence (the next tokens there) are
     zeroed before phase 2 writes K̃ over them, so Inf in every later sequence's q and k and NaN in its g leave the
     first sequences' o and final states bitwise unchanged (cu_seqlens 0, 0, 15, 15, 79, 200: the first chunk is
-    partial); packed, w in stage 2."""
+    partial); packed and unpacked, w in stage 2."""
     from cula.kernels.sm90 import kda_fwd_check as chk
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
@@ -1274,7 +1276,7 @@ def test_gpu_ctas3_ignores_later_sequences(monkeypatch):
     args, kw = chk._inputs(*spec, dev=torch.device("cuda"))
     monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
     monkeypatch.setattr(kda_fwd, "W_IN_RECUR", True)
-    monkeypatch.setattr(kda_fwd, "PACK", "1")
+    monkeypatch.setattr(kda_fwd, "PACK", pack)
     monkeypatch.setattr(intra_tc, "CTAS", 3)
     o, ht = kda_fwd.kda_fwd(*args, **kw)
     q, k, v, g, beta = args
@@ -1288,20 +1290,22 @@ def test_gpu_ctas3_ignores_later_sequences(monkeypatch):
     assert torch.equal(ht[:2], ht2[:2])
 
 
-def test_ctas3_needs_the_packed_w_in_recur_stage_1_and_fits_three_ctas_an_sm(monkeypatch):
-    """CTAS 3 (three stage-1 CTAs an SM) is only built for the packed w-in-stage-2 stage 1 with 32-row blocks, the one
-    that leaves the X, v and 48-row B' tiles dead: its storage then fits three CTAs an SM with the driver's 1 KB each;
-    anything else is refused by name. The host asks for it only there (the key of every other call stays as it was)."""
+def test_ctas3_needs_the_w_in_recur_stage_1_and_fits_three_ctas_an_sm(monkeypatch):
+    """CTAS 3 (three stage-1 CTAs an SM) is only built for the w-in-stage-2 stage 1 with 32-row blocks, packed or not,
+    the one that leaves the X, v and 48-row B' tiles dead: its storage then fits three CTAs an SM with the driver's
+    1 KB each; anything else is refused by name. The host asks for it only there (the key of every other call stays
+    as it was)."""
     pytest.importorskip("cutlass")
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
     full = dict(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True, allow_neg_eigval=False,
                 group=1, t_out=True, factor_block=32)
-    lean = intra_tc.KdaFwdIntraTC(**full, pack=True, x_out=True, ctas=3).storage_class().size_in_bytes()
-    wide = intra_tc.KdaFwdIntraTC(**full, pack=True, x_out=True).storage_class().size_in_bytes()
-    assert 3 * (lean + 1024) <= intra_tc.SMEM_PER_SM < 3 * (wide + 1024)
-    for bad in (dict(full, pack=True), dict(full, x_out=True), dict(full, pack=True, x_out=True, factor_block=16),
-                dict(full, pack=True, x_out=True, diag=("no_qg_kgt",))):
+    for pack in (True, False):
+        lean = intra_tc.KdaFwdIntraTC(**full, pack=pack, x_out=True, ctas=3).storage_class().size_in_bytes()
+        wide = intra_tc.KdaFwdIntraTC(**full, pack=pack, x_out=True).storage_class().size_in_bytes()
+        assert 3 * (lean + 1024) <= intra_tc.SMEM_PER_SM < 3 * (wide + 1024)
+    for bad in (dict(full, pack=True), dict(full), dict(full, pack=True, x_out=True, factor_block=16),
+                dict(full, x_out=True, factor_block=16), dict(full, pack=True, x_out=True, diag=("no_qg_kgt",))):
         with pytest.raises(ValueError, match="ctas"):
             intra_tc.KdaFwdIntraTC(**bad, ctas=3)
     with pytest.raises(ValueError, match="ctas"):
@@ -1314,8 +1318,9 @@ def test_ctas3_needs_the_packed_w_in_recur_stage_1_and_fits_three_ctas_an_sm(mon
                  lower_bound=-5.0, safe_gate=True)
     args, kw = _case(1, 600, 2, 2, None, seed=2, **flags)  # 10 chunks
     args = tuple(x.bfloat16() for x in args)
-    for pack, w_in, lb, want in (("1", True, -5.0, 3), ("0", True, -5.0, None), ("1", False, -5.0, None),
-                                 ("1", True, -11.0, None)):  # -11: 16-row blocks
+    for pack, w_in, lb, want in (("1", True, -5.0, 3), ("0", True, -5.0, 3), ("1", False, -5.0, None),
+                                 ("0", False, -5.0, None), ("1", True, -11.0, None),
+                                 ("0", True, -11.0, None)):  # -11: 16-row blocks
         monkeypatch.setattr(kda_fwd, "PACK", pack)
         monkeypatch.setattr(kda_fwd, "W_IN_RECUR", w_in)
         calls.clear()
@@ -1324,19 +1329,21 @@ def test_ctas3_needs_the_packed_w_in_recur_stage_1_and_fits_three_ctas_an_sm(mon
 
 
 def test_ptx_ctas3():
-    """The packed w-in-stage-2 stage 1 at three CTAs an SM: within the 168 registers that leaves, no spills or local
-    memory, the same 44 wgmma; -X's TMA store (two boxes) goes, eight 16-byte stores a thread take its place."""
+    """The w-in-stage-2 stage 1 at three CTAs an SM, packed and unpacked: within the 168 registers that leaves, no
+    spills or local memory, the same 44 wgmma; -X's TMA store (two boxes) goes, eight 16-byte stores a thread take
+    its place."""
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_reports
 
-    names = ["intra_tc_t_out_block32_pack_x", "intra_tc_t_out_block32_pack_x_ctas3"]
+    names = ["intra_tc_t_out_block32_pack_x", "intra_tc_t_out_block32_pack_x_ctas3", "intra_tc_t_out_block32_x",
+             "intra_tc_t_out_block32_x_ctas3"]
     r = ptx_reports("cula.kernels.sm90.kda_fwd", names)
-    two, three = (r[n] for n in names)
-    assert three.spill_bytes == 0 and ".local" not in three.ptx and three.max_registers <= 168
-    assert ".maxnreg" in three.ptx or ".minnctapersm 3" in three.ptx
-    assert three.count("wgmma.mma_async") == two.count("wgmma.mma_async") == 44
-    assert three.count("cp.async.bulk.tensor") == two.count("cp.async.bulk.tensor") - 2
-    assert three.count("st.global.v4") == two.count("st.global.v4") + 8
+    for two, three in ((r[names[0]], r[names[1]]), (r[names[2]], r[names[3]])):
+        assert three.spill_bytes == 0 and ".local" not in three.ptx and three.max_registers <= 168
+        assert ".maxnreg" in three.ptx or ".minnctapersm 3" in three.ptx
+        assert three.count("wgmma.mma_async") == two.count("wgmma.mma_async") == 44
+        assert three.count("cp.async.bulk.tensor") == two.count("cp.async.bulk.tensor") - 2
+        assert three.count("st.global.v4") == two.count("st.global.v4") + 8
 
 
 def _pack_like_stage1(aqk: torch.Tensor, tp: torch.Tensor, gam: torch.Tensor) -> tuple:
@@ -1386,9 +1393,9 @@ def test_host_path_pack(monkeypatch):
     (_, k1, _, v1), (_, k2, _, v2), (_, k3, _, v3), (_, k4, _, v4) = calls
     assert "pack" not in dict(k1[0]) and "pack" not in dict(k2[0])
     assert dict(k3[0])["pack"] is True and dict(k4[0])["pack"] is True
-    # the packed stage 1 also runs three CTAs an SM (CTAS, the default where the host can take it: session 33)
-    assert dict(k3[0]).get("ctas") == intra_tc.CTAS and "ctas" not in dict(k1[0])
-    assert {k: v for k, v in dict(k3[0]).items() if k not in ("pack", "ctas")} == dict(k1[0])
+    # both run three CTAs an SM (CTAS, the default where the host can take it: packed since session 33, unpacked 34)
+    assert dict(k3[0]).get("ctas") == intra_tc.CTAS and dict(k1[0]).get("ctas") == intra_tc.CTAS
+    assert {k: v for k, v in dict(k3[0]).items() if k != "pack"} == dict(k1[0])
     by_ptr = {t.data_ptr(): t for t in allocs}
     nc = v3[17]
     assert by_ptr[v1[11]].shape == (2, nc * 64, 128) and by_ptr[v3[11]].shape == (2, nc * 64, 64)

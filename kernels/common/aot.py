@@ -220,6 +220,10 @@ SCENARIOS = {
     "ctas2_pack_checks": ("tc", {"intra_tc.CTAS": 2, "PACK": "1"}),
     "ctas2_split": ("split", {"intra_tc.CTAS": 2}),
     "suites_ctas2": ("suites", {"intra_tc.CTAS": 2}),
+    # device_round s34u: three CTAs for the unpacked tile too (session 34): the check cases forced unpacked, at three
+    # CTAs (the default) and at two (the GPU tests' reference calls)
+    "unpacked_checks": ("tc", {"PACK": "0"}),
+    "ctas2_unpacked_checks": ("tc", {"intra_tc.CTAS": 2, "PACK": "0"}),
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 

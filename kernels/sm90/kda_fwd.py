@@ -702,8 +702,7 @@ def kda_fwd(
             tc_flags.update(order=order)
         if block != intra_tc.FACTOR_BLOCKS[0]:
             tc_flags.update(factor_block=block)
-        if (intra_tc.CTAS != intra_tc.CTAS_MODES[0] and x_split and pack and block != intra_tc.SUB
-                and not intra_tc.DIAG):
+        if intra_tc.CTAS != intra_tc.CTAS_MODES[0] and x_split and block != intra_tc.SUB and not intra_tc.DIAG:
             tc_flags.update(ctas=intra_tc.CTAS)  # three CTAs an SM: only this stage 1 leaves the tiles to drop
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
             if set(intra_tc.DIAG) - set(intra_tc.SAME_OUTPUT_DIAGS):

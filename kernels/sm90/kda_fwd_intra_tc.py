@@ -24,7 +24,7 @@ It is formed as ``K̂ ⊙ 2^(R_I − E_J)`` from ``K̂ = k̂ 2^(E_J − Γ)``, `
 The host sends other gates to ``kda_fwd_intra`` (exact for any gate).
 
 One warpgroup (128 threads) per CTA, two CTAs per SM (113 KB of shared memory each), or three where ``ctas=3``
-drops the tiles that the packed w-in-stage-2 hand-off leaves dead (69 KB each, see CTAS). Phases:
+drops the tiles that the w-in-stage-2 hand-off leaves dead (69 KB each, see CTAS). Phases:
   1. loads (16-byte, coalesced): q, k, v, g of the chunk; thread t owns rows 8(t/16)..+7 and columns
      8(t%16)..+7, so a row's 16 owners are one half-warp (row norms by shuffles) and warp w owns
      16-row block w. Gate transform, in-thread cumsum down its 8 rows, group totals via smem.
@@ -70,14 +70,16 @@ COLS_PER_THREAD = 8  # ... x 8 consecutive columns (one 16-byte bf16 vector per 
 GROUPS = CHUNK // ROWS_PER_THREAD  # 8 row groups of 8; group g is lanes 16(g%2).. of warp g//2
 GROUPS_PER_BLOCK = SUB // ROWS_PER_THREAD  # 2 row groups per 16-row block (one warp)
 CTAS_PER_SM = 2  # ~104 KB smem and <= 255 registers each: two chunks in flight per SM
-#: CTAs per SM (``CULA_KDA_TC_CTAS``, session 33): 3 is for the packed w-in-stage-2 stage 1 with 32-row blocks
-#: (``x_out``, ``pack``, factor_block 32), whose dead tiles then go: -X leaves from registers as qg does (no X tile),
-#: the v tile and the 48-row B' tile were never touched, and the g copy lands in K̃'s tile (dead until phase 2 writes
-#: K̃). That is 70 KB a CTA, and ptxas keeps the code under the 168 registers three CTAs leave a thread (unpacked it
-#: spilled 8 bytes): 12 warps per SM instead of 8 to cover the loads' wait, a fifth of a chunk's life at two CTAs.
+#: CTAs per SM (``CULA_KDA_TC_CTAS``, session 33): 3 is for the w-in-stage-2 stage 1 with 32-row blocks (``x_out``,
+#: factor_block 32), whose dead tiles then go: -X leaves from registers as qg does (no X tile), the v tile and the
+#: 48-row B' tile were never touched, and the g copy lands in K̃'s tile (dead until phase 2 writes K̃). That is 70 KB
+#: a CTA, and ptxas keeps the code under the 168 registers three CTAs leave a thread: 12 warps per SM instead of 8 to
+#: cover the loads' wait, a fifth of a chunk's life at two CTAs. (Session 33 took it for the packed tile only: the
+#: unpacked one spilled 8 bytes until -X's store moved up beside K̃'s in session 34.)
 CTAS_MODES = (CTAS_PER_SM, 3)
-#: The default since session 33 where the host can take it (packed, w in stage 2, 32-row blocks); 2 for A/B. H100:
-#: stage 1 -12% at B2 T16384 (1.524 -> 1.340 ms), the kda suite 2.98x -> 3.14x FLA on one card (kda_fwd_log.md).
+#: The default where the host can take it (w in stage 2, 32-row blocks: packed since session 33, unpacked since 34);
+#: 2 for A/B. H100, packed: stage 1 -12% at B2 T16384 (1.524 -> 1.340 ms), the kda suite 2.98x -> 3.14x FLA on one
+#: card (kda_fwd_log.md).
 CTAS = int(__import__("os").environ.get("CULA_KDA_TC_CTAS", str(CTAS_MODES[1])))
 PAD = CHUNK + 4  # fp32 row pitch of the 64x64 matrices of the inverse: 16-byte rows, rows 4 apart on other banks
 YPAD = 2 * SUB  # fp32 row pitch of the inverse's 32x32 scratch Y
@@ -308,10 +310,9 @@ class KdaFwdIntraTC:
         # CTAs per SM (CTAS): 3 drops the X, v and 48-row B' tiles, which only x_out with 32-row blocks leaves dead
         if ctas not in CTAS_MODES:
             raise ValueError(f"ctas (CULA_KDA_TC_CTAS): expected one of {CTAS_MODES}, got {ctas!r}")
-        if ctas != CTAS_MODES[0] and not (x_out and pack and factor_block != SUB and not diag):
-            raise ValueError(f"ctas (CULA_KDA_TC_CTAS) = {ctas}: needs x_out (w in stage 2), pack, 32-row factor "
-                             f"blocks and no diagnostics, got x_out={x_out}, pack={pack}, factor_block={factor_block}, "
-                             f"diag={tuple(diag)}")
+        if ctas != CTAS_MODES[0] and not (x_out and factor_block != SUB and not diag):
+            raise ValueError(f"ctas (CULA_KDA_TC_CTAS) = {ctas}: needs x_out (w in stage 2), 32-row factor blocks "
+                             f"and no diagnostics, got x_out={x_out}, factor_block={factor_block}, diag={tuple(diag)}")
         self.ctas = ctas
         self.lean_smem = ctas != CTAS_MODES[0]  # no X, v or 48-row B' tile; g lands in K̃'s
         # no v loads, prefetches or tile and no u product or store: t_out, or the diagnostic that times it
@@ -1134,6 +1135,9 @@ class KdaFwdIntraTC:
             _st8(a_layout, qa_raw, (r, d0, 0), obf)
             obf.store(kt.load().to(BF16))
             _st8(kt_layout, kt_raw, (r, d0, 0), obf)
+            if cutlass.const_expr(self.lean_smem and not self.pack):  # -X to the w rows (below, this tile spilled 8 B)
+                obf.store(xx.load().to(BF16))
+                _vec(x_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
             if cutlass.const_expr(fbk == SUB):
                 if warp < NBLK - 1:  # K̂ of block 3 is never a B operand
                     obf.store(kh.load().to(BF16))
@@ -1145,10 +1149,11 @@ class KdaFwdIntraTC:
                         bp[c] = kt[c] * fpair[c]
                     obf.store(bp.load().to(BF16))
                     _st8(kb2_layout, kb_raws[1], (r, d0, 0), obf)
-            obf.store(xx.load().to(BF16))
-            if cutlass.const_expr(self.lean_smem):  # -X straight to the w rows, as qg below
+            if cutlass.const_expr(self.lean_smem and self.pack):  # -X to the w rows (above, this tile spilled 40 B)
+                obf.store(xx.load().to(BF16))
                 _vec(x_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
-            else:
+            elif cutlass.const_expr(not self.lean_smem):
+                obf.store(xx.load().to(BF16))
                 _st8(x_layout, x_raw, (d0, r, 0), obf)
             obf.store(qg.load().to(BF16))
             if cutlass.const_expr("no_qg_kgt" in self.diag):
@@ -1775,8 +1780,8 @@ def compile_targets():
         # w in stage 2 (kda_fwd.W_IN_RECUR): -X stored from its tile, no w product; packed and unpacked
         "t_out_block32_pack_x": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True, x_out=True),
         "t_out_block32_x": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, x_out=True),
-        # the packed one at three CTAs per SM (CTAS: no X, v or 48-row B' tile, -X from registers; the unpacked one
-        # spilled 8 bytes at the 168 registers that leaves)
+        # both at three CTAs per SM (CTAS: no X, v or 48-row B' tile, -X from registers)
+        "t_out_block32_x_ctas3": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, x_out=True, ctas=3),
         "t_out_block32_pack_x_ctas3": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
                                             x_out=True, ctas=3),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
