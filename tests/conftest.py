@@ -25,8 +25,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # ------------------------------------------------------------------------------------ PTX reports
 # Compile checks (``cula.kernels.common.ptx_check.ptx_report``) spawn a child that runs the CuTe DSL
-# compiler, seconds to tens of seconds per target. For the session, ``ptx_report`` and ``ptx_reports``
-# answer from one shared cache: each (module, target) compiles once however many tests ask for it, several targets of a
+# compiler, seconds to tens of seconds per target. For the session, ``ptx_report`` answers from one
+# shared cache: each (module, target) compiles once however many tests ask for it, several targets of a
 # module share a child, and the targets that the collected tests will ask for start compiling right
 # after collection, at low priority on the core(s) the mostly single-threaded tests leave idle. The
 # tests that ask run last, when their reports are ready. Only the scheduling changes: every report
@@ -49,25 +49,11 @@ def _literal(node, params: dict, module_globals: dict):
 _PTX_CALLS: dict = {}
 
 
-def _targets(node, names: dict, params: dict, module_globals: dict) -> list[str]:
-    """The targets of a ``ptx_reports`` call's list argument: a list literal, or a local name bound to one
-    (``names = [...]``), of strings ``_literal`` reads; [] otherwise."""
-    import ast
-
-    if isinstance(node, ast.Name) and node.id in names:
-        node = names[node.id]
-    if not isinstance(node, (ast.List, ast.Tuple)):
-        return []
-    found = [_literal(elt, params, module_globals) for elt in node.elts]
-    return [t for t in found if t]
-
-
 def _ptx_requests(item: pytest.Item) -> list[tuple[str, str]]:
-    """The (module, target) pairs that test ``item`` passes to ``ptx_report`` or ``ptx_reports``, read
-    from its source: a call ``ptx_report(module, target)`` with literals, the test's parameters or
-    module constants, or ``ptx_reports(module, [targets])`` with such a list (or a local name bound to
-    one), is found, so new compile checks are prefetched without registering them anywhere (a call that
-    is not understood simply compiles when the test runs)."""
+    """The (module, target) pairs that test ``item`` passes to ``ptx_report``, read from its source: a
+    call ``ptx_report(module, target)`` with literals, the test's parameters or module constants is
+    found, so new compile checks are prefetched without registering them anywhere (a call that is not
+    understood simply compiles when the test runs)."""
     import ast
     import inspect
     import textwrap
@@ -80,26 +66,18 @@ def _ptx_requests(item: pytest.Item) -> list[tuple[str, str]]:
             tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
         except (OSError, TypeError, SyntaxError):
             tree = None
-        calls = [] if tree is None else [
+        _PTX_CALLS[fn] = [] if tree is None else [
             node for node in ast.walk(tree) if isinstance(node, ast.Call)
-            and getattr(node.func, "id", getattr(node.func, "attr", None)) in ("ptx_report", "ptx_reports")]
-        names = {} if tree is None else {
-            node.targets[0].id: node.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
-            and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)}
-        _PTX_CALLS[fn] = (calls, names)
-    calls, names = _PTX_CALLS[fn]
+            and getattr(node.func, "id", getattr(node.func, "attr", None)) == "ptx_report"]
     params = getattr(getattr(item, "callspec", None), "params", {})
     pairs = []
-    for call in calls:
-        many = getattr(call.func, "id", getattr(call.func, "attr", None)) == "ptx_reports"
+    for call in _PTX_CALLS[fn]:
         args = dict(enumerate(call.args))
-        args.update({{"module": 0, "target": 1, "targets": 1}.get(k.arg, k.arg): k.value for k in call.keywords})
+        args.update({{"module": 0, "target": 1}.get(k.arg, k.arg): k.value for k in call.keywords})
         module = _literal(args[0], params, fn.__globals__) if 0 in args else None
-        if many:
-            targets = _targets(args[1], names, params, fn.__globals__) if 1 in args else []
-        else:
-            targets = [_literal(args[1], params, fn.__globals__) if 1 in args else "default"]
-        pairs += [(module, t) for t in targets if module and t]
+        target = _literal(args[1], params, fn.__globals__) if 1 in args else "default"
+        if module and target:
+            pairs.append((module, target))
     return pairs
 
 

@@ -19,7 +19,7 @@ def test_one_child_for_several_targets_gives_each_its_own_result():
     """A batched child compiles each target on its own: a failing target gets its own error, the next
     one the same PTX as its single-target compile (here, the session's shared report)."""
     pytest.importorskip("cutlass")
-    results = ptx_check._compile_reports(MODULE, ["no_such_target", "default"])  # one child, past the cache
+    results = ptx_check.ptx_reports(MODULE, ["no_such_target", "default"])
     assert isinstance(results["no_such_target"], RuntimeError)
     assert "KeyError" in str(results["no_such_target"])
     alone = ptx_check.ptx_report(MODULE, "default")
@@ -27,8 +27,8 @@ def test_one_child_for_several_targets_gives_each_its_own_result():
 
 
 class _FakeCompiler:
-    """Stands in for the compile (``_compile_reports``) in a cache of its own (the session's cache keeps the
-    real one): records the batches, fails the targets named ``bad*``."""
+    """Stands in for ``ptx_reports`` in a cache of its own (the session's cache keeps the real one):
+    records the batches, fails the targets named ``bad*``."""
 
     def __init__(self):
         self.batches: list[tuple[str, list[str]]] = []
@@ -69,23 +69,3 @@ def test_shared_cache_serves_ptx_report():
     finally:
         ptx_check.share_reports(previous)
     assert fake.batches == [("m", ["x"])]
-
-
-def test_cache_reports_compiles_only_the_new_targets_together_and_keeps_failures():
-    """``ptx_reports`` inside a session that shares reports: targets compiled already (or queued ahead) are not
-    compiled again, the others go to one child together, and a failure comes back as its target's value."""
-    fake = _FakeCompiler()
-    cache = ptx_check.ReportCache(workers=0, compiler=fake)
-    assert cache.get("m", "a").ptx == "m:a"
-    cache.prefetch([("m", "q")])  # queued, never started (no workers): taken into the caller's batch
-    previous = ptx_check._shared_cache
-    ptx_check.share_reports(cache)
-    module, targets = "m", ["a", "b", "bad", "q", "b"]  # not literals in the call: conftest does not prefetch
-    try:
-        got = ptx_check.ptx_reports(module, targets)
-        again = ptx_check.ptx_reports(module, ["b", "bad"])
-    finally:
-        ptx_check.share_reports(previous)
-    assert got["a"].ptx == "m:a" and got["b"].ptx == "m:b" and got["q"].ptx == "m:q"
-    assert isinstance(got["bad"], RuntimeError) and again["bad"] is got["bad"] and again["b"] is got["b"]
-    assert fake.batches == [("m", ["a"]), ("m", ["b", "bad", "q"])]

@@ -16,7 +16,7 @@ Usage from Python::
 ``ptx_reports(module, [targets])`` compiles several targets of one module in one child (same PTX as one
 child each; the interpreter and the DSL load once). The test session shares one :class:`ReportCache`
 (``share_reports``, set up in tests/conftest.py): each target compiles once per session, ahead of the
-tests that read it, in the background, whether a test asks ``ptx_report`` or ``ptx_reports`` for it.
+tests that read it, in the background.
 
 or from a shell: ``python -m cula.kernels.common.ptx_check cula.kernels.sm90.lightning_fwd default``.
 """
@@ -212,18 +212,7 @@ def ptx_reports(module: str, targets: list[str], timeout: float = 600.0,
     Returns each target's report, or the exception that ``ptx_report`` would raise for it (one
     target's failure does not hide the others' results). ``started`` is told the child process;
     ``nice`` lowers its scheduling priority (a compile ahead of need yields to the work in front).
-    Inside a test session that shares reports (and without ``started``), the targets compiled already
-    are not compiled again: the others compile together (:meth:`ReportCache.reports`).
     """
-    if _shared_cache is not None and started is None:
-        return _shared_cache.reports(module, targets)
-    return _compile_reports(module, targets, timeout, started, nice)
-
-
-def _compile_reports(module: str, targets: list[str], timeout: float = 600.0,
-                     started: Callable[[subprocess.Popen], None] | None = None,
-                     nice: int = 0) -> dict[str, PtxReport | Exception]:
-    """:func:`ptx_reports` without the shared cache: one child for ``targets``."""
     ptxas = shutil.which("ptxas")
     results: dict[str, PtxReport | Exception] = {}
     with tempfile.TemporaryDirectory(prefix="cula-ptx-") as dump_dir:
@@ -252,7 +241,7 @@ def _compile_reports(module: str, targets: list[str], timeout: float = 600.0,
             except Exception as exc:  # noqa: BLE001 - handed to whoever asks for this target
                 results[target] = exc
     for target in lost:  # alone, as a single-target call would: the failure lands on its own target
-        results.update(_compile_reports(module, [target], timeout, started, nice))
+        results.update(ptx_reports(module, [target], timeout, started, nice))
     return {t: results[t] for t in targets}
 
 
@@ -264,7 +253,7 @@ def ptx_report(module: str, target: str = "default", timeout: float = 600.0) -> 
     """
     if _shared_cache is not None:
         return _shared_cache.get(module, target)
-    result = _compile_reports(module, [target], timeout)[target]
+    result = ptx_reports(module, [target], timeout)[target]
     if isinstance(result, Exception):
         raise result
     return result
@@ -285,7 +274,7 @@ class ReportCache:
     def __init__(self, workers: int = 1, batch: int = 2, timeout: float = 600.0, nice: int = 10,
                  compiler: Callable[..., dict[str, PtxReport | Exception]] | None = None):
         self.workers, self.batch, self.timeout, self.nice = workers, batch, timeout, nice
-        self._compiler = compiler or _compile_reports  # bound now: a later monkeypatch cannot reach it
+        self._compiler = compiler or ptx_reports  # bound now: a later monkeypatch cannot reach it
         self._lock = threading.Condition()
         self._done: dict[tuple[str, str], PtxReport | Exception] = {}
         self._running: set[tuple[str, str]] = set()
@@ -368,25 +357,6 @@ class ReportCache:
         if isinstance(result, Exception):
             raise result
         return result
-
-    def reports(self, module: str, targets: list[str]) -> dict[str, PtxReport | Exception]:
-        """Each target's report or failure, as :func:`ptx_reports` gives them: those neither done nor being
-        compiled (queued ones are taken out of the queue) compile together in one child in the calling thread."""
-        with self._lock:
-            todo = [t for t in dict.fromkeys(targets) if (module, t) not in self._done
-                    and (module, t) not in self._running]
-            for entry in list(self._queue):
-                if entry[0] == module:
-                    entry[1][:] = [t for t in entry[1] if t not in todo]
-                    if not entry[1]:
-                        self._queue.remove(entry)
-            self._running.update((module, t) for t in todo)
-        if todo:
-            self._compile(module, todo)
-        with self._lock:
-            while any((module, t) in self._running for t in targets):
-                self._lock.wait()
-            return {t: self._done[(module, t)] for t in targets}
 
     def close(self) -> None:
         """Drop what is queued and stop the children still compiling (end of the session)."""
