@@ -168,37 +168,55 @@ def test_one_cta_diagnostic_leaves_room_for_one_cta_only():
 
 
 @pytest.mark.gpu
-def test_gpu_stage1_runs_its_ctas_per_sm(monkeypatch):
+def test_gpu_stage1_runs_its_ctas_per_sm(monkeypatch, tmp_path):
     """The driver agrees with each stage 1 built on how many CTAs fit an SM: two for the full storage (2 x (115,712
     + 1,024) B is exactly the H200's 228 KB) and three for the w-in-stage-2 one with 32-row blocks (``ctas=3``:
     70,656 B and 168 registers). A larger per-CTA reservation, one more shared field or a few more registers would
     cut the kernel's warps per SM without any other symptom than time."""
-    from cuda.bindings import driver
+    import ctypes
+
+    import cutlass.cute as cute
 
     from cula.kernels.common import aot
     from cula.kernels.sm90 import kda_fwd
     from cula.kernels.sm90 import kda_fwd_check as chk
+    from cula.kernels.sm90.decode_launch_probe import load_function
     from cula.kernels.sm90.kda_fwd_intra_tc import THREADS, KdaFwdIntraTC
 
-    # the driver's function handle comes with a compiled stage 1 only (an ahead-of-time module launches from its
-    # host code, session 34): stage 1 compiles here (~40 s a flag set), stage 2 may still load
-    find = aot.find
+    # No driver function handle reaches Python from the DSL (its host code loads the kernel; an ahead-of-time
+    # module likewise, session 34): stage 1 compiles here (~40 s a flag set) keeping its cubin, which we load
+    # ourselves. Stage 2 may still come from a module.
+    find, compile_ = aot.find, cute.compile
     monkeypatch.setattr(aot, "find", lambda kind, key, specs: None if kind == "intra_tc" else find(kind, key, specs))
     monkeypatch.setattr(kda_fwd, "_LAUNCHERS", {})
+    dumps = iter(range(1000))
+
+    def keep_cubin(fn, *args, **kw):
+        dump = tmp_path / str(next(dumps))  # one folder a compile: every kernel's files have the same name
+        dump.mkdir()
+        return compile_(fn, *args, options=f"--keep-cubin --keep-ptx --dump-dir {dump}", **kw)
+
+    monkeypatch.setattr(cute, "compile", keep_cubin)
     for name in ("tc-T1", "tc-lb11-strong"):  # 32-row blocks (three CTAs), a bound below -5.37 (16-row: two)
         case = next(c for c in chk.CASES if c[0] == name)
         args, kw = chk._inputs(*case, dev=torch.device("cuda"))
         kda_fwd.kda_fwd(*args, **kw)
     torch.cuda.synchronize()
+    libcuda = ctypes.CDLL("libcuda.so.1")
     built = {}
     for (kind, key), launcher in kda_fwd._LAUNCHERS.items():
         if kind != "intra_tc":
             continue
         kernel = KdaFwdIntraTC(**dict(key[0]))
         smem = kernel.launch_smem(kernel.storage_class().size_in_bytes())
-        fn = launcher.compiled._default_executor.exec_context.kernel_functions[0]
-        err, n = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, THREADS, smem)
-        assert err == driver.CUresult.CUDA_SUCCESS, err
-        assert n == kernel.ctas, (dict(key[0]), smem, n)
+        fn = ctypes.c_void_p(load_function(launcher.compiled))
+        # as the launch does: the dynamic shared memory allowed (attribute 8) and the largest carveout (9)
+        assert libcuda.cuFuncSetAttribute(fn, 8, ctypes.c_int(smem)) == 0
+        assert libcuda.cuFuncSetAttribute(fn, 9, ctypes.c_int(100)) == 0
+        n = ctypes.c_int()
+        rc = libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), fn, ctypes.c_int(THREADS),
+                                                                 ctypes.c_size_t(smem))
+        assert rc == 0, rc
+        assert n.value == kernel.ctas, (dict(key[0]), smem, n.value)
         built[kernel.ctas] = smem
     assert set(built) == {2, 3}, built  # both tiles were built and checked
