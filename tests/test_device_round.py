@@ -80,7 +80,7 @@ def test_block32_checks_name_real_cases_then_splits(tmp_path):
 
 
 def test_fused_premise_splits_stores_off_at_one_and_two_ctas(tmp_path):
-    from cula.kernels.common.aot import NO_STORES
+    from cula.kernels.common.aot_build import NO_STORES
 
     cmds = dry_run(tmp_path, "NVIDIA H200", "fused_premise")
     assert len(cmds) == 8 and all("--split worst" in c for c in cmds)

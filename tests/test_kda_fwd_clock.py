@@ -107,11 +107,11 @@ def test_suite_call_is_the_split_rows_launch(monkeypatch):
     """kda_fwd_clock and kda_fwd_profile build their call with ``suite_call``: the suite's flags, so its stage-1
     launch under the clock diagnostic is one the AOT scenario ``diag_clock`` prebuilds; varlen means B = 1."""
     pytest.importorskip("cutlass")
-    from cula.kernels.common import aot
+    from cula.kernels.common import aot_build
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
     from cula.kernels.sm90.kda_fwd_profile import suite_call
 
-    have = {key for kind, key, _, _ in aot.record_launches("diag_clock") if kind == "intra_tc"}
+    have = {key for kind, key, _, _ in aot_build.record_launches("diag_clock") if kind == "intra_tc"}
     calls = record_kda_launches(monkeypatch)
     monkeypatch.setattr(intra_tc, "DIAG", ("clock",))
     args, kw = suite_call(2, 256, 4, "uniform", 3, dev="cpu")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _kda_host import fake_sm90, record_kda_launches
-from cula.kernels.common.aot import TRAIN_TEST_CASES
+from cula.kernels.common.aot_build import TRAIN_TEST_CASES
 from cula.kernels.sm90 import kda_fwd
 
 gpu = pytest.mark.gpu
@@ -273,7 +273,7 @@ def _gpu_case(B, T, H, HV, cu, seed, lower_bound, sigmoid, h0, v_first, gate="ke
     return x, kw
 
 
-#: one definition with the AOT build's (kernels/common/aot.py), so the device finds every case precompiled
+#: one definition with the AOT build's (kernels/common/aot_build.py), so the device finds every case precompiled
 GPU_CASES = [pytest.param(*case, id=name) for name, case in TRAIN_TEST_CASES.items()]
 #: both paths are on by default now (cula.kda._train.SWITCH, kda_fwd.LOG_GATE_VALIDATED); naming them keeps
 #: these tests on them if either is switched off again
