@@ -242,3 +242,22 @@ def test_g_first_sanity_first_then_checks_gpu_tests_splits_and_clock(tmp_path):
     assert old == [False, True] * 2
     assert len(clock) == 1 and "kda_fwd_clock" in clock[0]
 
+
+
+def test_s35_runs_the_occupancy_and_aot_gpu_tests_then_small_splits_two_ctas_against_the_default(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "s35")
+    assert len(cmds) == 6
+    assert "tests/test_kda_tc_numerics.py" in cmds[0] and "ctas" in cmds[0] and "tests/test_aot.py" in cmds[1]
+    splits = cmds[2:]
+    assert all("--split small" in c for c in splits) and ["TC_CTAS=2" in c for c in splits] == [True, False] * 2
+
+
+@pytest.mark.parametrize("gpu, suites", [("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False)])
+def test_first_publishes_the_suites_on_an_h200_only_then_runs_s35(tmp_path, gpu, suites):
+    cmds = dry_run(tmp_path, gpu, "first")
+    s35 = dry_run(tmp_path / "s35", gpu, "s35")
+    assert cmds[-len(s35):] == s35
+    ran = " ".join(cmds[:-len(s35)])
+    assert ("--suite kda " in ran and "--suite kda_train " in ran and "--suite kda_layer " in ran
+            and "memcheck" in ran) == suites
+    assert bool(ran) == suites

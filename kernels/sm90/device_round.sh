@@ -23,6 +23,15 @@ if [[ " $steps " == *" next2 "* ]]; then
     steps=$(echo " $steps " | sed "s/ next2 / fused_premise block32 /" | xargs)
     echo "== next2: $steps"
 fi
+# "first": the next session's first call on whichever card comes (docs/DEVICE.md): on an H200 the three suites to
+# publish (its rows predate session 21) and the sanitizers before s35; on an H100 s35 alone
+if [[ " $steps " == *" first "* ]]; then
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+    first="s35"
+    [[ "$gpu" == *H200* ]] && first="kda_suite train_suite kda_layer_suite sanitize s35"
+    steps=$(echo " $steps " | sed "s/ first / $first /" | xargs)
+    echo "== first ($gpu): $steps"
+fi
 start=$SECONDS
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 t=$2; shift 2
@@ -397,6 +406,14 @@ for s in $steps; do
         # three-CTA bitwise tests since their shared case builder (5946698) (~60 s; AOT checks, pack_checks)
         step s34_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_tc_numerics.py \
             tests/test_kernel_kda_fwd.py -k "ctas or pack_equals_unpacked" ;;
+    s35)  # session 35: the occupancy GPU test with a function handle of its own (stage 1 compiled with --keep-cubin,
+        # loaded by us: neither a compiled nor an AOT-loaded DSL function hands one to Python), the AOT GPU test on
+        # the fingerprint of kernel sources only (88e7d2d), then two CTAs / the default on the short fixed rows
+        # (B1 T512: 512 CTAs are 1.3 waves of 396 at three, 1.9 of 264 at two), twice (<= 450 s; AOT split, ctas2_split)
+        step s35_occupancy 200 python3 -u -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_tc_numerics.py \
+            -k ctas
+        step s35_aot 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_aot.py
+        SPLIT_SET=small mode_splits s35_small ctas2 default ctas2 default ;;
     s34u)  # session 34: stage 1 at three CTAs for the unpacked tile too (short sequences: -X's store moved up beside
         # K̃'s, no spill): one unpacked case first, the nine checks unpacked (forced), the GPU tests at both packings
         # (bitwise two CTAs; a later sequence's Inf / NaN ignored), then two CTAs / the default in the splits, twice
