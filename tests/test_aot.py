@@ -147,6 +147,23 @@ def test_full_builds_remove_modules_of_older_sources(tmp_path, monkeypatch, argv
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*current, "notes.txt"] + ([] if pruned else [stale]))
 
 
+@pytest.mark.parametrize("argv, want", [(["build", "D"], "core"), (["build", "D", "--all"], "all"),
+                                        (["build", "D", "--scenarios", "split,train"], ["split", "train"])])
+def test_a_plain_build_compiles_the_queued_steps_scenarios_and_keeps_what_all_built(tmp_path, monkeypatch, argv,
+                                                                                   want):
+    """``build`` alone compiles CORE_SCENARIOS, ``--all`` every scenario, ``--scenarios`` the ones named; the prune
+    after a plain build keeps the modules of every scenario (an ``--all`` build's extras survive it)."""
+    asked, kept = [], []
+    monkeypatch.setattr(aot_build, "build", lambda out_dir, scenarios, shard=(0, 1): asked.append(scenarios) or [])
+    monkeypatch.setattr(aot_build, "expected_names", lambda scenarios: kept.append(scenarios) or set())
+    argv = [str(tmp_path) if a == "D" else a for a in argv]
+    assert aot_build.main([*argv, "--jobs", "1"]) == 0
+    expect = list(aot_build.CORE_SCENARIOS) if want == "core" else list(aot_build.SCENARIOS) if want == "all" else want
+    assert asked == [expect]
+    assert kept == ([] if "--scenarios" in argv else [list(aot_build.SCENARIOS)])
+    assert set(aot_build.CORE_SCENARIOS) < set(aot_build.SCENARIOS)
+
+
 def test_default_jobs_is_one_per_core_up_to_four():
     assert 1 <= aot_build.default_jobs() <= 4
 
