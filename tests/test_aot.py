@@ -72,7 +72,8 @@ def test_scenarios_record_the_device_steps_launches():
         assert any(k_.get("factor_block") == 32 for k_ in keys)
         assert all(k_.get("factor_block", 16) == 16 for k_ in keys if k_.get("softplus_gate"))
     # fused_premise's modules: the diagnostics in the order device_round's environment gives them
-    for scenario, diag in (("diag_no_stores", aot_build.NO_STORES), ("diag_one_cta_no_stores", ("one_cta", *aot_build.NO_STORES))):
+    for scenario, diag in (("diag_no_stores", aot_build.NO_STORES),
+                           ("diag_one_cta_no_stores", ("one_cta", *aot_build.NO_STORES))):
         keys = [dict(k_[0]) for k, k_, _, _ in aot_build.record_launches(scenario) if k == "intra_tc"]
         assert keys and all(k_["diag"] == diag for k_ in keys)
     keys = [dict(k_[0]) for k, k_, _, _ in aot_build.record_launches("block16_split") if k == "intra_tc"]
@@ -188,7 +189,8 @@ def test_a_module_builds_without_a_gpu_and_round_trips(tmp_path, monkeypatch):
     if torch.cuda.is_available():
         return  # the GPU test below loads them
     kind = files[-1].name.split("-")[0]
-    launches = [x for x in aot_build.record_launches("u_in_recur") if aot.entry_name(x[0], x[1], x[3]) == files[-1].name]
+    launches = [x for x in aot_build.record_launches("u_in_recur")
+                if aot.entry_name(x[0], x[1], x[3]) == files[-1].name]
     assert len(launches) == 1 and launches[0][0] == kind
     monkeypatch.delenv(aot.AOT_ENV, raising=False)
     assert aot.find(*launches[0][:2], launches[0][3]) is None  # not asked for: nothing read

@@ -301,7 +301,8 @@ def build_parallel(out_dir: str, scenarios: Sequence[str], jobs: int) -> int:
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "cula.kernels.common.aot_build", "build", str(out_dir), "--scenarios", ",".join(scenarios)]
+    cmd = [sys.executable, "-m", "cula.kernels.common.aot_build", "build", str(out_dir),
+           "--scenarios", ",".join(scenarios)]
     procs = [subprocess.Popen([*cmd, "--shard", f"{i}/{jobs}"]) for i in range(jobs)]
     codes = [p.wait() for p in procs]
     return next((c for c in codes if c), 0)
