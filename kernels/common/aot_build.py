@@ -286,8 +286,8 @@ def expected_names(scenarios: Sequence[str]) -> set[str]:
 
 
 def prune(out_dir: str, keep: set[str]) -> list[str]:
-    """Delete the modules in ``out_dir`` not named in ``keep`` (those of older kernel sources: every edit under
-    the kernel sources renames all modules, and ``.device`` travels to the device within a 64 MiB carry); other
+    """Delete the modules in ``out_dir`` not named in ``keep`` (those of older kernel sources: every edit to a
+    kernel source renames all modules, and ``.device`` travels to the device within a 64 MiB carry); other
     files stay. Returns the deleted names."""
     gone = sorted(p.name for p in Path(out_dir).glob(f"*{SUFFIX}") if p.name not in keep)
     for name in gone:
