@@ -252,12 +252,21 @@ def test_s35_runs_the_occupancy_and_aot_gpu_tests_then_small_splits_two_ctas_aga
     assert all("--split small" in c for c in splits) and ["TC_CTAS=2" in c for c in splits] == [True, False] * 2
 
 
+def test_raw_premise_splits_stage1_without_the_qg_kgt_and_x_stores_against_the_default_twice(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "raw_premise")
+    assert len(cmds) == 4 and all("--split worst" in c for c in cmds)
+    diag = ["CULA_KDA_TC_DIAG=no_qg_kgt,no_wu_store " in c for c in cmds]
+    assert diag == [False, True] * 2 and not any("no_aqk_store" in c for c in cmds)
+
+
 @pytest.mark.parametrize("gpu, suites", [("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False)])
-def test_first_publishes_the_suites_on_an_h200_only_then_runs_s35(tmp_path, gpu, suites):
+def test_first_publishes_the_suites_on_an_h200_then_raw_premise_and_on_an_h100_s35_too(tmp_path, gpu, suites):
     cmds = dry_run(tmp_path, gpu, "first")
+    raw = dry_run(tmp_path / "raw", gpu, "raw_premise")
     s35 = dry_run(tmp_path / "s35", gpu, "s35")
-    assert cmds[-len(s35):] == s35
-    ran = " ".join(cmds[:-len(s35)])
+    tail = raw if suites else raw + s35
+    assert cmds[-len(tail):] == tail
+    ran = " ".join(cmds[:-len(tail)])
     assert ("--suite kda " in ran and "--suite kda_train " in ran and "--suite kda_layer " in ran
             and "memcheck" in ran) == suites
     assert bool(ran) == suites

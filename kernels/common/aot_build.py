@@ -53,6 +53,8 @@ SCENARIOS = {
     # device_round fused_premise: the split rows without any scratch store, at two CTAs per SM and at one
     "diag_no_stores": ("split", {"intra_tc.DIAG": NO_STORES}),
     "diag_one_cta_no_stores": ("split", {"intra_tc.DIAG": ("one_cta", *NO_STORES)}),
+    # device_round raw_premise: the split rows without the qg / kgT and -X stores (Aqk | T' kept)
+    "diag_no_qkx": ("split", {"intra_tc.DIAG": NO_STORES[:2]}),
     # device_round gate_factors / subst: the default stage 1 with the pre-session-21 factors (2^Γ by exp2) or
     # substitution (left-looking), in checks and splits (the first mode of each list is the default)
     **{f"gate_{m}_{w}": (what, {"intra_tc.GATE_FACTORS": m}) for m in _GATE_FACTOR_MODES[1:]
@@ -319,7 +321,7 @@ def default_jobs() -> int:
 #: compiles instead, ~40 s a flag set). 63 of 187 modules: ~6 min on 2 cores instead of 14-18.
 CORE_SCENARIOS = ("default", "u_in_recur", "split", "split_u", "suites", "checks", "train", "pack_checks", "pack_split",
                   "unpacked_split", "w_in_checks", "w_in_pack_checks", "w_in_split", "ctas2_pack_checks",
-                  "ctas2_split", "suites_ctas2", "unpacked_checks", "ctas2_unpacked_checks")
+                  "ctas2_split", "suites_ctas2", "unpacked_checks", "ctas2_unpacked_checks", "diag_no_qkx")
 
 
 def main(argv: list[str]) -> int:

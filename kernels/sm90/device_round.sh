@@ -24,11 +24,12 @@ if [[ " $steps " == *" next2 "* ]]; then
     echo "== next2: $steps"
 fi
 # "first": the next session's first call on whichever card comes (docs/DEVICE.md): on an H200 the three suites to
-# publish (its rows predate session 21) and the sanitizers before s35; on an H100 s35 alone
+# publish (its rows predate session 21), the sanitizers and raw_premise (s35 in the next call: the call's 600 s); on
+# an H100 raw_premise and s35
 if [[ " $steps " == *" first "* ]]; then
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
-    first="s35"
-    [[ "$gpu" == *H200* ]] && first="kda_suite train_suite kda_layer_suite sanitize s35"
+    first="raw_premise s35"
+    [[ "$gpu" == *H200* ]] && first="kda_suite train_suite kda_layer_suite sanitize raw_premise"
     steps=$(echo " $steps " | sed "s/ first / $first /" | xargs)
     echo "== first ($gpu): $steps"
 fi
@@ -77,6 +78,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         block16) envs="CULA_KDA_TC_FACTOR_BLOCK=16" ;;
         no_stores) envs="CULA_KDA_TC_DIAG=no_qg_kgt,no_wu_store,no_aqk_store" ;;
         one_cta_no_stores) envs="CULA_KDA_TC_DIAG=one_cta,no_qg_kgt,no_wu_store,no_aqk_store" ;;
+        no_qkx) envs="CULA_KDA_TC_DIAG=no_qg_kgt,no_wu_store" ;;
         pre26) envs="CULA_KDA_TC_PHASE1=pre26" ;;
         lean) envs="CULA_KDA_TC_PHASE1=lean" ;;
         tma_qk) envs="CULA_KDA_TC_PHASE1=tma_qk" ;;
@@ -406,6 +408,11 @@ for s in $steps; do
         # three-CTA bitwise tests since their shared case builder (5946698) (~60 s; AOT checks, pack_checks)
         step s34_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_tc_numerics.py \
             tests/test_kernel_kda_fwd.py -k "ctas or pack_equals_unpacked" ;;
+    raw_premise)  # session 36: stage 1 at the default (three CTAs) without its qg / kgT and -X stores, Aqk | T' kept:
+        # what stage 1 would cost if stage 2 formed qg, kgT and X from q, k, g itself (the same bytes read in stage 2,
+        # 48 KB a chunk fewer written by stage 1; kda_fwd.md "Where the time goes"), twice in turn (<= 200 s; AOT
+        # split, diag_no_qkx)
+        mode_splits raw_split default no_qkx default no_qkx ;;
     s35)  # session 35: the occupancy GPU test with a function handle of its own (stage 1 compiled with --keep-cubin,
         # loaded by us: neither a compiled nor an AOT-loaded DSL function hands one to Python), the AOT GPU test on
         # the fingerprint of kernel sources only (88e7d2d), then two CTAs / the default on the short fixed rows
