@@ -36,6 +36,9 @@ NO_STORES = ("no_qg_kgt", "no_wu_store", "no_aqk_store")
 SCENARIOS = {
     "default": ("tc", {}),
     "u_in_recur": ("tc", {"U_IN_RECUR": True}),
+    # u formed in stage 1 (CULA_KDA_U_IN_RECUR=0; the default forms it in stage 2 since session 17, so "default" and
+    # "u_in_recur" record the same launches): tests/test_aot.py's GPU test loads both
+    "u_in_stage1": ("tc", {"U_IN_RECUR": False}),
     # kda_fwd_check --split worst (suite flags, H64), each stage set, with and without u in stage 2
     "split": ("split", {}),
     "split_u": ("split", {"U_IN_RECUR": True}),
