@@ -1,4 +1,6 @@
-"""The "raw tiles" transform planned for stage 2, as a torch model (no kernel yet; kda_fwd.md, "Where the time goes").
+"""The "raw tiles" transform designed for stage 2, as a torch model. No kernel: its premise, measured on an H100 in
+session 36, said it could buy ~1% of both stages (kda_fwd.md, "Where the time goes"); kept as the reference should
+the balance change.
 
 Today stage 1 writes qg, kgᵀ and −X (768 of its 1,676 B a token-head) and stage 2 reads them back. In the planned
 design stage 2 reads q, k and g instead (the same bytes) and a second warpgroup forms the three operand tiles in
