@@ -24,12 +24,12 @@ if [[ " $steps " == *" next2 "* ]]; then
     echo "== next2: $steps"
 fi
 # "first": the next session's first call on whichever card comes (docs/DEVICE.md): on an H200 the three suites to
-# publish (its rows predate session 21), the sanitizers and raw_premise (s35 in the next call: the call's 600 s); on
-# an H100 raw_premise and s35
+# publish (its rows predate session 21), the sanitizers and the AOT GPU test (fixed in session 36); on an H100 the
+# AOT GPU test alone
 if [[ " $steps " == *" first "* ]]; then
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
-    first="raw_premise s35"
-    [[ "$gpu" == *H200* ]] && first="kda_suite train_suite kda_layer_suite sanitize raw_premise"
+    first="aot_gpu"
+    [[ "$gpu" == *H200* ]] && first="kda_suite train_suite kda_layer_suite sanitize aot_gpu"
     steps=$(echo " $steps " | sed "s/ first / $first /" | xargs)
     echo "== first ($gpu): $steps"
 fi
@@ -408,6 +408,8 @@ for s in $steps; do
         # three-CTA bitwise tests since their shared case builder (5946698) (~60 s; AOT checks, pack_checks)
         step s34_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_tc_numerics.py \
             tests/test_kernel_kda_fwd.py -k "ctas or pack_equals_unpacked" ;;
+    aot_gpu)  # modules built in a child process, loaded, bitwise against the compiled path (u in stage 1 and 2)
+        step aot_gpu 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_aot.py ;;
     raw_premise)  # session 36: stage 1 at the default (three CTAs) without its qg / kgT and -X stores, Aqk | T' kept:
         # what stage 1 would cost if stage 2 formed qg, kgT and X from q, k, g itself (the same bytes read in stage 2,
         # 48 KB a chunk fewer written by stage 1; kda_fwd.md "Where the time goes"), twice in turn (<= 200 s; AOT
