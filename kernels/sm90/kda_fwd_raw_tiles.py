@@ -2,7 +2,7 @@
 session 36, said it could buy ~1% of both stages (kda_fwd.md, "Where the time goes"); kept as the reference should
 the balance change.
 
-Today stage 1 writes qg, kgᵀ and −X (768 of its 1,676 B a token-head) and stage 2 reads them back. In the planned
+Today stage 1 writes qg, kgᵀ and −X (768 of its 1,676 B a token-head) and stage 2 reads them back. In this
 design stage 2 reads q, k and g instead (the same bytes) and a second warpgroup forms the three operand tiles in
 shared memory, without exp2 of the cumulative gate: down a key column, 2^Γ_i is the running product of the tokens'
 factors 2^g'_s (s ≤ i) and 2^(Γ_C − Γ_i) the product of those after i. Stage 1 hands over only what needs a whole
@@ -12,7 +12,7 @@ A thread owns two key columns and one half of the chunk's rows (``HALF`` = 32): 
 warpgroup's 128 threads. Each half forms its local products; the halves then exchange totals (the upper half's
 prefix total scales the lower half's prefixes, the lower half's total scales the upper half's suffixes). This model
 does the same fp32 operations in the same order, so a kernel can be checked against it bitwise up to ``ex2``'s
-approximation, and it is checked here against stage 1's exact factors (``kda_fwd_intra_tc.emulate``).
+approximation; tests/test_kda_raw_tiles.py checks it against stage 1's model (``kda_fwd_intra_tc.emulate``).
 """
 
 from __future__ import annotations
