@@ -208,10 +208,10 @@ def test_gpu_aot_modules_equal_compiled_ones(tmp_path, monkeypatch):
     from cula.kernels.sm90 import kda_fwd
     from cula.kernels.sm90 import kda_fwd_check as chk
 
-    # the first case's launches (stage 1, stage 2 with / without state) with u formed in stage 1 and in stage 2 (the
-    # default since session 17: session 36's H100 run failed here when only "default" and "u_in_recur" were built,
-    # the same launches since then, and u in stage 1 found no module)
-    for scenario in ("u_in_stage1", "default"):
+    # the first case's launches (stage 1, stage 2 with / without state) with u formed in stage 1 and in stage 2, each
+    # named by its setting (session 36's H100 run built "default" and "u_in_recur", the same launches since u in
+    # stage 2 became the default, and the u-in-stage-1 pass found no module)
+    for scenario in ("u_in_stage1", "u_in_recur"):
         proc = _build_child(str(tmp_path), scenario, limit=3)
         assert proc.returncode == 0, proc.stderr[-3000:]
     dev = torch.device("cuda")

@@ -77,7 +77,8 @@ def test_raw_tiles_match_stage_one_within_one_bf16_step(B, T, H, HV, cu, lb, a_s
         err_stage1 = ((s - e).norm() / e.norm()).item()
         assert err_ours <= 1.05 * err_stage1 + 1e-6, (name, err_ours, err_stage1)
     # X (stage 1 stores -X, formed in x_out's phase 2) has no stage-1 output here: against k̂ ⊙ 2^Γ in fp64
-    gl = raw.gate_log2(gather(g16).double(), bound, a.double(), dtb.double(), lb is None, log_gate)
+    gl = tc.gate_log2(gather(g16).double(), bound, a.double()[..., None, None], dtb.double()[..., None, :],
+                      lb is None, log_gate)
     gam = torch.cumsum(gl * keep[:, None, :, None], 2)
     kk = gather(k16).double() * keep[:, None, :, None]
     x_exact = kk * torch.rsqrt((kk * kk).sum(-1, keepdim=True) + tc.L2NORM_EPS) * torch.exp2(gam)

@@ -36,8 +36,8 @@ NO_STORES = ("no_qg_kgt", "no_wu_store", "no_aqk_store")
 SCENARIOS = {
     "default": ("tc", {}),
     "u_in_recur": ("tc", {"U_IN_RECUR": True}),
-    # u formed in stage 1 (CULA_KDA_U_IN_RECUR=0; the default forms it in stage 2 since session 17, so "default" and
-    # "u_in_recur" record the same launches): tests/test_aot.py's GPU test loads both
+    # u formed in stage 1 (CULA_KDA_U_IN_RECUR=0; the default forms it in stage 2 since session 17): tests/test_aot.py's
+    # GPU test loads these and u_in_recur's
     "u_in_stage1": ("tc", {"U_IN_RECUR": False}),
     # kda_fwd_check --split worst (suite flags, H64), each stage set, with and without u in stage 2
     "split": ("split", {}),
@@ -57,7 +57,7 @@ SCENARIOS = {
     "diag_no_stores": ("split", {"intra_tc.DIAG": NO_STORES}),
     "diag_one_cta_no_stores": ("split", {"intra_tc.DIAG": ("one_cta", *NO_STORES)}),
     # device_round raw_premise: the split rows without the qg / kgT and -X stores (Aqk | T' kept)
-    "diag_no_qkx": ("split", {"intra_tc.DIAG": NO_STORES[:2]}),
+    "diag_no_qkx": ("split", {"intra_tc.DIAG": ("no_qg_kgt", "no_wu_store")}),
     # device_round gate_factors / subst: the default stage 1 with the pre-session-21 factors (2^Γ by exp2) or
     # substitution (left-looking), in checks and splits (the first mode of each list is the default)
     **{f"gate_{m}_{w}": (what, {"intra_tc.GATE_FACTORS": m}) for m in _GATE_FACTOR_MODES[1:]
@@ -321,7 +321,7 @@ def default_jobs() -> int:
 #: What a plain build compiles: the scenarios of the steps in docs/DEVICE.md's queue (the checks, suites and training
 #: path at the defaults, the split rows, two CTAs, both packings). The others serve steps of past experiments: build
 #: them with ``--all``, or one step's with ``--scenarios``, before such a step (on the device a missing module
-#: compiles instead, ~40 s a flag set). 63 of 187 modules: ~6 min on 2 cores instead of 14-18.
+#: compiles instead, ~40 s a flag set). 65 modules (session 36): ~5 min on 2 cores instead of 14-18 for all.
 CORE_SCENARIOS = ("default", "u_in_recur", "split", "split_u", "suites", "checks", "train", "pack_checks", "pack_split",
                   "unpacked_split", "w_in_checks", "w_in_pack_checks", "w_in_split", "ctas2_pack_checks",
                   "ctas2_split", "suites_ctas2", "unpacked_checks", "ctas2_unpacked_checks", "diag_no_qkx")

@@ -1794,6 +1794,21 @@ def compile_targets():
 # ------------------------------------------------------------------------------------------------
 # torch model of the kernel (same factorisation, inverse steps and bf16 rounding points)
 # ------------------------------------------------------------------------------------------------
+def gate_log2(g, lower_bound: float, a_exp, dtb, softplus_gate: bool = False, log_gate: bool = False):
+    """The per-token gate in log2 units (torch, fp32 in, fp32 out) as this kernel's model forms it: ``g`` the raw
+    gate (or, with ``log_gate``, the log-space decay), ``a_exp`` = exp(A_log) and ``dtb`` = dt_bias, both already
+    broadcastable against ``g``; the lower-bounded sigmoid gate, FLA's softplus gate clamped at ``lower_bound``, or
+    the log-space decay clamped to ``[lower_bound, 0]``."""
+    import torch
+
+    if log_gate:
+        return torch.clamp(g, min=lower_bound, max=0.0) * RCP_LN2
+    if softplus_gate:
+        sp = torch.nn.functional.softplus(g + dtb, threshold=SOFTPLUS_THRESHOLD)
+        return torch.clamp(-a_exp * sp, min=lower_bound) * RCP_LN2
+    return lower_bound * RCP_LN2 / (1 + torch.exp(-(a_exp * (g + dtb))))
+
+
 def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=None,
             use_qk_l2norm=False, use_beta_sigmoid=False, allow_neg_eigval=False, softplus_gate=False,
             log_gate=False, factor_block=SUB):
@@ -1831,14 +1846,7 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
     vc, gc = gather(v, "v") * kf, gather(g, "v")
     a_exp = torch.ones(HV, device=dev) if A_log is None else A_log.float().exp()
     dtb = torch.zeros(HV, DK, device=dev) if dt_bias is None else dt_bias.float().reshape(HV, DK)
-    if log_gate:
-        gv = torch.clamp(gc, min=lower_bound, max=0.0) * RCP_LN2 * kf
-    elif softplus_gate:
-        sp = torch.nn.functional.softplus(gc + dtb[None, :, None, :], threshold=SOFTPLUS_THRESHOLD)
-        gv = torch.clamp(-a_exp[None, :, None, None] * sp, min=lower_bound) * RCP_LN2 * kf
-    else:
-        z = a_exp[None, :, None, None] * (gc + dtb[None, :, None, :])
-        gv = lower_bound * RCP_LN2 / (1 + torch.exp(-z)) * kf
+    gv = gate_log2(gc, lower_bound, a_exp[None, :, None, None], dtb[None, :, None, :], softplus_gate, log_gate) * kf
     gam = gv.cumsum(2)  # Γ [NC, HV, 64, K]
     bc = beta[idx].transpose(1, 2).to(f32)  # [NC, HV, 64]
     if use_beta_sigmoid:

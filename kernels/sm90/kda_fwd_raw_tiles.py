@@ -10,33 +10,19 @@ row: the inverse row norms of q and k.
 
 A thread owns two key columns and one half of the chunk's rows (``HALF`` = 32): 64 column pairs × 2 halves are the
 warpgroup's 128 threads. Each half forms its local products; the halves then exchange totals (the upper half's
-prefix total scales the lower half's prefixes, the lower half's total scales the upper half's suffixes). This model
-does the same fp32 operations in the same order, so a kernel can be checked against it bitwise up to ``ex2``'s
-approximation; tests/test_kda_raw_tiles.py checks it against stage 1's model (``kda_fwd_intra_tc.emulate``).
+prefix total scales the lower half's prefixes, the lower half's total scales the upper half's suffixes). The
+products and roundings are the scheme's, in its order; the per-token gate is stage 1's model's
+(``kda_fwd_intra_tc.gate_log2``). tests/test_kda_raw_tiles.py checks it against that model
+(``kda_fwd_intra_tc.emulate``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from cula.kernels.sm90.kda_fwd_intra_tc import CHUNK, L2NORM_EPS, LOG2E, RCP_LN2, SOFTPLUS_THRESHOLD
+from cula.kernels.sm90.kda_fwd_intra_tc import CHUNK, L2NORM_EPS, gate_log2
 
 HALF = 32  # rows a transform thread walks: the chunk's two halves run on two threads
-
-
-def gate_log2(g: torch.Tensor, lower_bound: float, a: torch.Tensor, dt_bias: torch.Tensor, softplus_gate: bool,
-              log_gate: bool) -> torch.Tensor:
-    """Per-token gate g' in log2 units, fp32, as stage 1's phase 1 forms it. ``g: [..., 64, K]`` (any float dtype),
-    ``a: [...]`` the per-head exp(A_log) broadcast against g's leading dims, ``dt_bias: [..., K]``."""
-    x = g.float()
-    if log_gate:
-        return torch.clamp(x * RCP_LN2, min=lower_bound * RCP_LN2, max=0.0)
-    if softplus_gate:
-        y = x * LOG2E + dt_bias[..., None, :] * LOG2E
-        sp = torch.log2(1.0 + torch.exp2(torch.clamp(y, max=SOFTPLUS_THRESHOLD * LOG2E)))
-        return torch.clamp(-a[..., None, None] * torch.maximum(sp, y), min=lower_bound * RCP_LN2)
-    z = a[..., None, None] * (x + dt_bias[..., None, :])
-    return lower_bound * RCP_LN2 / (1.0 + torch.exp2(-z * LOG2E))
 
 
 def half_products(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +62,8 @@ def raw_tiles(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, keep: torch.Ten
     if use_qk_l2norm:  # stage 1 hands these over (8 B a token-head)
         nq = scale * torch.rsqrt((qf * qf).sum(-1, keepdim=True) + L2NORM_EPS)
         nk = torch.rsqrt((kf_ * kf_).sum(-1, keepdim=True) + L2NORM_EPS)
-    e = torch.exp2(gate_log2(g, lower_bound, a, dt_bias, softplus_gate, log_gate) * kf)
+    e = torch.exp2(gate_log2(g.float(), lower_bound, a[..., None, None], dt_bias[..., None, :], softplus_gate,
+                             log_gate) * kf)
     pre, suf = half_products(e)
     qs, ks = qf * nq, kf_ * nk
     gam = pre[..., CHUNK - 1, :]
