@@ -267,3 +267,10 @@ def test_first_publishes_the_suites_on_an_h200_then_runs_the_aot_gpu_test(tmp_pa
     assert ("--suite kda " in ran and "--suite kda_train " in ran and "--suite kda_layer " in ran
             and "memcheck" in ran) == suites
     assert bool(ran) == suites
+
+
+def test_s37_runs_the_gpu_tests_then_splits_against_session_36_twice(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "s37")
+    assert "pytest" in cmds[0] and "-m gpu" in cmds[0] and "-k widen or kgt" in cmds[0]
+    assert len(cmds) == 5 and all("--split worst" in c for c in cmds[1:])
+    assert ["CULA_KDA_TC_WIDEN=cvt CULA_KDA_TC_KGT=kh " in c for c in cmds[1:]] == [False, True] * 2

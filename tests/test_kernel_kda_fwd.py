@@ -1691,3 +1691,113 @@ def test_gpu_a_warm_call_launches_only_its_two_kernels(varlen):
     kernels = kernels_of(lambda: kda_fwd.kda_fwd(*args, **kw))
     assert len(kernels) == 2, kernels
     assert "intra" in kernels[0].lower() and "recur" in kernels[1].lower(), kernels
+
+
+#: The GPU test's cases for WIDEN: every gate form (a bf16 gate is widened, an fp32 one is not), GVA V-first, partial
+#: chunks, zero-length segments, 33 segments, short rows (the unpacked tile) and a long batch (the packed one)
+WIDEN_CASES = ["tc-T1", "tc-T65-gva-vfirst", "tc-T1000-negeig", "tc-varlen-zero", "tc-varlen-33",
+               "tc-softplus-varlen-zero", "tc-loggate-safe-varlen", "tc-fp32-gate-plainbeta", "big-varlen"]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", WIDEN_CASES)
+def test_gpu_widen_int_equals_cvt(name, monkeypatch):
+    """Stage 1 widening its bf16 inputs by word shifts and masks (WIDEN "int", bf16_widen) moves no bit: the scratch,
+    o and the final state are bitwise those of the cvt.f32.bf16 widening (at the default CTAs an SM: three for the
+    lower-bounded and log-space gates, two for the softplus one), with and without a state, and o inside a CUDA graph;
+    the reference calls did build the cvt stage 1."""
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+
+    args, kw = _equality_case(name)
+    keys = []
+    launcher = kda_fwd._launcher
+    monkeypatch.setattr(kda_fwd, "_launcher", lambda kind, key, *a: keys.append(key) or launcher(kind, key, *a))
+
+    def cvt():
+        monkeypatch.setattr(intra_tc, "WIDEN", "cvt")
+        keys.clear()
+
+    def widened():
+        assert any(dict(k[0]).get("widen") == "cvt" for k in keys)
+        monkeypatch.setattr(intra_tc, "WIDEN", "int")
+        keys.clear()
+
+    _check_bitwise_equal(args, kw, cvt, widened, after=lambda: _assert_default_widening(keys))
+
+
+def _assert_default_widening(keys: list) -> None:
+    """The calls recorded in ``keys`` (launcher keys) built stage 1 at its default widening."""
+    assert keys and not any("widen" in dict(k[0]) for k in keys)
+
+
+#: The GPU test's cases for KGT: the 32-row blocks' gate forms (the lower-bounded sigmoid, fixed and varlen, saturated at
+#: -5 and strong at -5.36; the log-space gate), GVA V-first, zero-length segments, 33 segments, a long random batch
+KGT_CASES = ["tc-T1", "tc-T65-gva-vfirst", "tc-T1000-negeig", "tc-varlen-zero", "tc-varlen-33", "tc-lb5-strong",
+             "tc-loggate-safe-varlen", "big-varlen"]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", KGT_CASES)
+def test_gpu_kgt_ref_is_within_a_bf16_step_of_kh(name, monkeypatch):
+    """kgᵀ formed as (K̃ 2^(ref − C)) 2^(Γ_last − ref) (KGT "ref", two FMUL an element) against session 36's
+    (K̃ 2^(E − C)) 2^(Γ_last − E) ("kh"): every other scratch tile is bitwise the same, kgᵀ is within one bf16 step
+    element by element (the same value rounded through other fp32 factors), and o and the final state agree to
+    bf16 accuracy; the reference calls did build the "kh" stage 1."""
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+
+    args, kw = _equality_case(name)
+    keys = []
+    launcher = kda_fwd._launcher
+    monkeypatch.setattr(kda_fwd, "_launcher", lambda kind, key, *a: keys.append(key) or launcher(kind, key, *a))
+    monkeypatch.setattr(intra_tc, "KGT", "kh")
+    o_ref, ht_ref, scr_ref = kda_fwd.kda_fwd(*args, **kw, return_scratch=True)
+    assert any(dict(k[0]).get("kgt") == "kh" for k in keys)
+    monkeypatch.setattr(intra_tc, "KGT", "ref")
+    keys.clear()
+    o, ht, scr = kda_fwd.kda_fwd(*args, **kw, return_scratch=True)
+    torch.cuda.synchronize()
+    assert keys and not any("kgt" in dict(k[0]) for k in keys)
+    for n in scr_ref:
+        if "kg" not in n:
+            assert torch.equal(scr[n], scr_ref[n]), n
+    (kg_name,) = [n for n in scr_ref if "kg" in n]
+    a, b = scr[kg_name], scr_ref[kg_name]
+    assert a.dtype == torch.bfloat16
+    steps = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+    same_sign = (a.float() * b.float() >= 0)
+    assert (steps[same_sign] <= 1).all() and ((a.float() - b.float())[~same_sign].abs() < 2.0 ** -120).all()
+    assert (o.float() - o_ref.float()).norm() <= 1e-2 * o_ref.float().norm()
+    assert (ht is None and ht_ref is None) or (ht - ht_ref).norm() <= 1e-2 * ht_ref.norm()
+
+
+def test_ptx_session_37_stage_1_is_shorter():
+    """The integer widening (WIDEN "int") replaces 176 cvt.f32.bf16 a thread of g (phase 1) and of q, k (phase 2) in
+    the packed three-CTA default, with no spill or local memory and within 168 registers, as session 36's stage 1;
+    KGT "ref" drops an FMUL an element; the SASS (where ptxas and cuobjdump are at hand) is shorter than both."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common import sass
+    from cula.kernels.common.ptx_check import ptx_reports
+
+    new, cvt, s36 = (f"intra_tc_t_out_block32_pack_x_ctas3{x}" for x in ("", "_cvt", "_s36"))
+    r = ptx_reports("cula.kernels.sm90.kda_fwd", [new, cvt, s36])
+    assert r[cvt].count("cvt.f32.bf16") - r[new].count("cvt.f32.bf16") >= 160
+    # (cvt with KGT "ref" spills 4 bytes: an A/B build for the bitwise GPU test only, not timed)
+    for name in (new, s36):
+        assert r[name].spill_bytes == 0 and ".local" not in r[name].ptx and r[name].max_registers <= 168
+    # KGT "ref": one FMUL an element and a third of the per-column exp2 fewer (8 x 8 and 8 a thread)
+    assert r[s36].count("mul.f32") - r[cvt].count("mul.f32") >= 64
+    assert r[s36].count("ex2.approx") - r[cvt].count("ex2.approx") == 8
+    if sass.find_cuobjdump() and __import__("shutil").which("ptxas"):
+        n = {name: len(sass.parse(sass.sass_of(r[name].ptx))) for name in (new, cvt, s36)}
+        assert n[new] < min(n[cvt], n[s36]), n
+
+
+def test_widen_environment_is_checked_by_name():
+    """An unknown widening names the argument, what it takes and what it got."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+
+    with pytest.raises(ValueError, match=r"widen \(CULA_KDA_TC_WIDEN\): expected one of \('int', 'cvt'\), got 'f16'"):
+        intra_tc.KdaFwdIntraTC(True, True, True, True, False, 1, widen="f16")

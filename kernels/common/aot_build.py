@@ -115,6 +115,11 @@ SCENARIOS = {
     # CTAs (the default) and at two (the GPU tests' reference calls)
     "unpacked_checks": ("tc", {"PACK": "0"}),
     "ctas2_unpacked_checks": ("tc", {"intra_tc.CTAS": 2, "PACK": "0"}),
+    # device_round s37: stage 1 widening bf16 by cvt.f32.bf16 (intra_tc.WIDEN), forming kgT as K^ 2^(G_last - E)
+    # (intra_tc.KGT "kh"): in the check cases (the GPU tests' reference calls); both (session 36's stage 1) in the splits
+    "widen_cvt_checks": ("tc", {"intra_tc.WIDEN": "cvt"}),
+    "kgt_kh_checks": ("tc", {"intra_tc.KGT": "kh"}),
+    "s36_split": ("split", {"intra_tc.WIDEN": "cvt", "intra_tc.KGT": "kh"}),
     "pre21_split": ("split", {"intra_tc.GATE_FACTORS": _GATE_FACTOR_MODES[1], "intra_tc.SUBST": _SUBST_MODES[1]}),
 }
 
@@ -324,7 +329,8 @@ def default_jobs() -> int:
 #: compiles instead, ~40 s a flag set). 65 modules (session 36): ~5 min on 2 cores instead of 14-18 for all.
 CORE_SCENARIOS = ("default", "u_in_recur", "split", "split_u", "suites", "checks", "train", "pack_checks", "pack_split",
                   "unpacked_split", "w_in_checks", "w_in_pack_checks", "w_in_split", "ctas2_pack_checks",
-                  "ctas2_split", "suites_ctas2", "unpacked_checks", "ctas2_unpacked_checks", "diag_no_qkx")
+                  "ctas2_split", "suites_ctas2", "unpacked_checks", "ctas2_unpacked_checks", "diag_no_qkx",
+                  "widen_cvt_checks", "kgt_kh_checks", "s36_split")
 
 
 def main(argv: list[str]) -> int:

@@ -79,6 +79,8 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         no_stores) envs="CULA_KDA_TC_DIAG=no_qg_kgt,no_wu_store,no_aqk_store" ;;
         one_cta_no_stores) envs="CULA_KDA_TC_DIAG=one_cta,no_qg_kgt,no_wu_store,no_aqk_store" ;;
         no_qkx) envs="CULA_KDA_TC_DIAG=no_qg_kgt,no_wu_store" ;;
+        cvt) envs="CULA_KDA_TC_WIDEN=cvt" ;;
+        s36) envs="CULA_KDA_TC_WIDEN=cvt CULA_KDA_TC_KGT=kh" ;;
         pre26) envs="CULA_KDA_TC_PHASE1=pre26" ;;
         lean) envs="CULA_KDA_TC_PHASE1=lean" ;;
         tma_qk) envs="CULA_KDA_TC_PHASE1=tma_qk" ;;
@@ -415,6 +417,14 @@ for s in $steps; do
         # 48 KB a chunk fewer written by stage 1; kda_fwd.md "Where the time goes"), twice in turn (<= 200 s; AOT
         # split, diag_no_qkx)
         mode_splits raw_split default no_qkx default no_qkx ;;
+    s37)  # session 37: stage 1 widening bf16 inputs by word shifts and masks (bf16_widen) and forming kgT with two FMUL an
+        # element (KGT "ref"): 152 SASS instructions a thread fewer at three CTAs, packed. The GPU tests (the widening
+        # bitwise the cvt.f32.bf16 one; kgT within a bf16 step of "kh", everything else bitwise), then the default
+        # against session 36's stage 1 twice in turn (<= 420 s; AOT checks, widen_cvt_checks, kgt_kh_checks, split,
+        # s36_split; cvt alone with "ref" spills 4 bytes, so it is not timed)
+        step s37_test 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "widen or kgt" || continue
+        mode_splits s37_split default s36 default s36 ;;
     s35)  # session 35: the occupancy GPU test with a function handle of its own (stage 1 compiled with --keep-cubin,
         # loaded by us: neither a compiled nor an AOT-loaded DSL function hands one to Python), the AOT GPU test on
         # the fingerprint of kernel sources only (88e7d2d), then two CTAs / the default on the short fixed rows

@@ -702,6 +702,10 @@ def kda_fwd(
             tc_flags.update(order=order)
         if block != intra_tc.FACTOR_BLOCKS[0]:
             tc_flags.update(factor_block=block)
+        if intra_tc.WIDEN != intra_tc.WIDEN_MODES[0]:
+            tc_flags.update(widen=intra_tc.WIDEN)
+        if intra_tc.KGT != intra_tc.KGT_MODES[0] and block != intra_tc.SUB:
+            tc_flags.update(kgt=intra_tc.KGT)
         if intra_tc.CTAS != intra_tc.CTAS_MODES[0] and x_split and block != intra_tc.SUB and not intra_tc.DIAG:
             tc_flags.update(ctas=intra_tc.CTAS)  # three CTAs an SM: only this stage 1 leaves the tiles to drop
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before

@@ -53,6 +53,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from cula.kernels.common.bf16_widen import WIDEN_MODES, widen_bf16
 from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
 from cula.kernels.common.sm_clock import clock64, smid
 from cula.kernels.common.wgmma_frag import a_operand_layout
@@ -195,6 +196,13 @@ PHASE1 = __import__("os").environ.get("CULA_KDA_TC_PHASE1", PHASE1_MODES[0])
 #: ``CULA_KDA_TC_ORDER=chunk`` for A/B.
 ORDER_MODES = ("head_rev", "chunk")
 ORDER = __import__("os").environ.get("CULA_KDA_TC_ORDER", ORDER_MODES[0])
+WIDEN = __import__("os").environ.get("CULA_KDA_TC_WIDEN", WIDEN_MODES[0])
+#: How 32-row blocks form kgᵀ = k̂ 2^(Γ_last − Γ) (session 37): "ref", (K̃ 2^(ref − C)) 2^(Γ_last − ref) with ref = Γ at
+#: row 32 for block 0's rows (the first product is then B', which those rows form anyway) and C_1 for block 1's, two
+#: FMUL an element; "kh", (K̃ 2^(E − C)) 2^(Γ_last − E) with E the block's last Γ, three with B' (before session 37;
+#: ``CULA_KDA_TC_KGT=kh`` for A/B). 16-row blocks always take "kh".
+KGT_MODES = ("ref", "kh")
+KGT = __import__("os").environ.get("CULA_KDA_TC_KGT", KGT_MODES[0])
 MAX_GRID_Y = 65535  # "head_rev" launches [HV, NC]: longer inputs keep "chunk" (kda_fwd)
 #: Timing diagnostics (``CULA_KDA_TC_DIAG``, comma-separated; the outputs are WRONG with any of them, and
 #: kda_fwd warns): which part of stage 1's time is memory. They apply to whichever stage 1 is the default
@@ -269,6 +277,8 @@ class KdaFwdIntraTC:
         order: str = ORDER_MODES[0],
         x_out: bool = False,
         ctas: int = CTAS_MODES[0],
+        widen: str = WIDEN_MODES[0],
+        kgt: str = KGT_MODES[0],
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -353,6 +363,12 @@ class KdaFwdIntraTC:
         if order not in ORDER_MODES:
             raise ValueError(f"order (CULA_KDA_TC_ORDER): expected one of {ORDER_MODES}, got {order!r}")
         self.order = order  # ORDER
+        if widen not in WIDEN_MODES:
+            raise ValueError(f"widen (CULA_KDA_TC_WIDEN): expected one of {WIDEN_MODES}, got {widen!r}")
+        self.widen = widen  # WIDEN: how bf16 inputs become fp32 (bf16_widen; same bits either way)
+        if kgt not in KGT_MODES:
+            raise ValueError(f"kgt (CULA_KDA_TC_KGT): expected one of {KGT_MODES}, got {kgt!r}")
+        self.kgt_ref = kgt == "ref" and factor_block != SUB  # KGT
 
     # ------------------------------------------------------------------------------ host side --
     @cute.jit
@@ -945,9 +961,9 @@ class KdaFwdIntraTC:
             # Rows past the end hold a copy of the last valid row (finite): phase 2 zeroes their q and k
             # through the row scale, and their v is only read through T' columns that β = 0 zeroes.
             if cutlass.const_expr(not g_first):
-                xq.store(raw_q[rr, None].load().to(F32))
-                xk.store(raw_k[rr, None].load().to(F32))
-            xg.store(raw_g[rr, None].load().to(F32))
+                widen_bf16(raw_q[rr, None], xq, self.widen)
+                widen_bf16(raw_k[rr, None], xk, self.widen)
+            widen_bf16(raw_g[rr, None], xg, self.widen)
             # raw q, k, v to their tiles (q and k are rewritten in place in phase 2)
             if cutlass.const_expr(not self.tma_qk):
                 _st8(a_layout, qa_raw, (r, d0, 0), raw_q[rr, None])
@@ -1031,19 +1047,29 @@ class KdaFwdIntraTC:
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             cref[c] = cref[c] + first[c] - shift
         # 32-row blocks: the one off-diagonal block's B operand, k̂ 2^(R − Γ) (R = Γ at row 32, <= 1), is K̃ times
-        # fpair = 2^(R − C_0), formed here for block 0's rows (2^(R − C_0) >= 2^(−16.5 |lb| / ln 2): normal)
+        # fpair = 2^(R − C_0), formed for block 0's rows (2^(R − C_0) >= 2^(−16.5 |lb| / ln 2): normal). KGT "ref":
+        # kgᵀ = k̂ 2^(Γ_last − Γ) is that times fk = 2^(Γ_last − R) <= 1 there; block 1's rows take ref = C_1
+        # instead of R (fpair = 2^0 = 1 exactly, and Γ_last − C_1 >= −15.5 |lb| / ln 2 > −126: fk is normal), so every
+        # thread forms kgᵀ as (K̃ fpair) fk, two FMUL an element ("kh": K̂ = K̃ 2^(E − C), then K̂ 2^(Γ_last − E))
+        kgt_ref = self.kgt_ref
         fpair = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+        fh = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # 2^(E − C): K̃ -> K̂ ("kh")
+        fk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # 2^(Γ_last − E) ("ref": − ref): -> kg
         if cutlass.const_expr(fbk != SUB):
             rtot = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             cute.autovec_copy(_vec(sTot.iterator, fgpb * DK + d0, COLS_PER_THREAD), rtot)
             cute.autovec_copy(_vec(sFirst.iterator, (fbk // SUB) * DK + d0, COLS_PER_THREAD), fpair)
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
-                fpair[c] = cute.math.exp2(rtot[c] + fpair[c] - cref[c], fastmath=True)
-        fh = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # 2^(E − C): K̃ -> K̂
-        fk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # 2^(Γ_last − E): K̂ -> kg
-        for c in cutlass.range_constexpr(COLS_PER_THREAD):
-            fh[c] = cute.math.exp2(eref[c] - cref[c], fastmath=True)
-            fk[c] = cute.math.exp2(run[c] - eref[c], fastmath=True)
+                ref = rtot[c] + fpair[c]  # R
+                if cutlass.const_expr(kgt_ref):
+                    if blk > 0:
+                        ref = cref[c]
+                    fk[c] = cute.math.exp2(run[c] - ref, fastmath=True)
+                fpair[c] = cute.math.exp2(ref - cref[c], fastmath=True)
+        if cutlass.const_expr(not kgt_ref):
+            for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                fh[c] = cute.math.exp2(eref[c] - cref[c], fastmath=True)
+                fk[c] = cute.math.exp2(run[c] - eref[c], fastmath=True)
 
         rq = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         rk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
@@ -1065,8 +1091,9 @@ class KdaFwdIntraTC:
             cute.arch.mbarrier_wait(mbar_qk, 0)
             _read_landed_rows(a_layout, [(qa_raw, raw_q), (ka_raw, raw_k)], nvalid, r0, d0)
             for rr in cutlass.range_constexpr(rpt):
-                xq.store(raw_q[rr, None].load().to(F32))
-                xk.store(raw_k[rr, None].load().to(F32))
+                # cvt here: the integer widening of these rows made ptxas spill (18 spill instructions, session 37)
+                widen_bf16(raw_q[rr, None], xq, "cvt")
+                widen_bf16(raw_k[rr, None], xk, "cvt")
                 sq = F32(0.0)
                 sk = F32(0.0)
                 for c in cutlass.range_constexpr(COLS_PER_THREAD):
@@ -1095,13 +1122,16 @@ class KdaFwdIntraTC:
                     nq = nq * cute.math.rsqrt(ssq[rr] + F32(L2NORM_EPS))
                     nk = nk * cute.math.rsqrt(ssq[rpt + rr] + F32(L2NORM_EPS))
             _ld8(a_layout, qa_raw, (r, d0, 0), obf)
-            rq.store(obf.load().to(F32) * nq)
+            widen_bf16(obf, rq, self.widen)
+            rq.store(rq.load() * nq)
             _ld8(a_layout, ka_raw, (r, d0, 0), obf)
-            rk.store(obf.load().to(F32) * nk)
+            widen_bf16(obf, rk, self.widen)
+            rk.store(rk.load() * nk)
             ka = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             qa = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             kt = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             kh = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
+            bp = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             xx = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             qg = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
@@ -1118,7 +1148,14 @@ class KdaFwdIntraTC:
                 ka[c] = rk[c] * fa
                 qa[c] = rq[c] * fa
                 kt[c] = rk[c] * fb
-                kh[c] = kt[c] * fh[c]  # k̂ 2^(E − Γ) <= |k̂|
+                if cutlass.const_expr(kgt_ref):
+                    bp[c] = kt[c] * fpair[c]  # block 0: k̂ 2^(R − Γ) <= |k̂|; block 1: K̃
+                    kgt[c, rr] = (bp[c] * fk[c]).to(BF16)  # k̂ 2^(Γ_last − Γ)
+                else:
+                    kh[c] = kt[c] * fh[c]  # k̂ 2^(E − Γ) <= |k̂|
+                    kgt[c, rr] = (kh[c] * fk[c]).to(BF16)  # k̂ 2^(Γ_last − Γ)
+                    if cutlass.const_expr(fbk != SUB):
+                        bp[c] = kt[c] * fpair[c]
                 if cutlass.const_expr(halves):  # k 2^Γ and q 2^Γ as (k 2^(Γ−C)) h h, (q 2^(Γ−C)) h h
                     xx[c] = (ka[c] * hc[c]) * hx[c]
                     qg[c] = (qa[c] * hc[c]) * hc[c]
@@ -1128,7 +1165,6 @@ class KdaFwdIntraTC:
                 else:
                     xx[c] = rk[c] * fg
                     qg[c] = rq[c] * fg
-                kgt[c, rr] = (kh[c] * fk[c]).to(BF16)  # k̂ 2^(Γ_last − Γ)
             obf.store(ka.load().to(BF16))
             _st8(a_layout, ka_raw, (r, d0, 0), obf)
             obf.store(qa.load().to(BF16))
@@ -1144,9 +1180,6 @@ class KdaFwdIntraTC:
                     _st8(kb3_layout, kb_raws[2], (r, d0, 0), obf)
             else:
                 if warp < 2:  # rows 0..31: the off-diagonal block's B operand, into the 32-row B' tile
-                    bp = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
-                    for c in cutlass.range_constexpr(COLS_PER_THREAD):
-                        bp[c] = kt[c] * fpair[c]
                     obf.store(bp.load().to(BF16))
                     _st8(kb2_layout, kb_raws[1], (r, d0, 0), obf)
             if cutlass.const_expr(self.lean_smem and self.pack):  # -X to the w rows (above, this tile spilled 40 B)
@@ -1784,6 +1817,12 @@ def compile_targets():
         "t_out_block32_x_ctas3": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, x_out=True, ctas=3),
         "t_out_block32_pack_x_ctas3": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
                                             x_out=True, ctas=3),
+        # the three-CTA default widening bf16 inputs by cvt.f32.bf16 (WIDEN "cvt"), and also forming kgᵀ as K̂ 2^(Γ_last
+        # − E) (KGT "kh"): both before session 37
+        "t_out_block32_pack_x_ctas3_cvt": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
+                                                x_out=True, ctas=3, widen="cvt"),
+        "t_out_block32_pack_x_ctas3_s36": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
+                                                x_out=True, ctas=3, widen="cvt", kgt="kh"),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
@@ -1865,15 +1904,23 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
     cref = (blk_first - shift).repeat_interleave(fbk, 2)
     eref = blk_last.repeat_interleave(fbk, 2)
     last = gam[:, :, -1:]
-    fb = torch.exp2(cref - gam)
-    ka = (ks * torch.exp2(gam - cref)).to(bf16)
-    qa = (qs * torch.exp2(gam - cref)).to(bf16)
+    def ex2(x):  # the kernel's exp2 factors: ex2.approx.ftz, whose subnormal results are zero (its FMULs keep them)
+        y = torch.exp2(x)
+        return torch.where(y.abs() < 2.0 ** -126, torch.zeros_like(y), y)
+
+    fb = ex2(cref - gam)
+    ka = (ks * ex2(gam - cref)).to(bf16)
+    qa = (qs * ex2(gam - cref)).to(bf16)
     kt = (ks * fb).to(bf16)
-    kh_f = ks * fb * torch.exp2(eref - cref)
+    kh_f = ks * fb * ex2(eref - cref)
     kh = kh_f.to(bf16)
     xx = (ks * torch.exp2(gam)).to(bf16)
     qg = (qs * torch.exp2(gam)).to(bf16)
-    kg = (kh_f * torch.exp2(last - eref)).to(bf16)
+    if fbk == SUB or KGT != "ref":
+        kg = (kh_f * ex2(last - eref)).to(bf16)
+    else:  # (K̃ 2^(ref − C)) 2^(Γ_last − ref): ref = R (Γ at row 32) for block 0's rows, C_1 for block 1's
+        ref = torch.where((rows < fbk)[None, None, :, None], gam[:, :, fbk:fbk + 1], cref)
+        kg = ((ks * fb * ex2(ref - cref)) * ex2(last - ref)).to(bf16)
     akk_d = ka.float() @ kt.float().transpose(-1, -2)
     aqk_d = qa.float() @ kt.float().transpose(-1, -2)
     akk = torch.zeros_like(akk_d)
@@ -1887,10 +1934,10 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
         r = slice(ib * fbk, (ib + 1) * fbk)
         cs = slice(jb * fbk, (jb + 1) * fbk)
         if fbk == SUB:
-            f_ij = torch.exp2(blk_first[:, :, ib] - blk_last[:, :, jb]).to(bf16)  # 2^(R_I − E_J)
+            f_ij = ex2(blk_first[:, :, ib] - blk_last[:, :, jb]).to(bf16)  # 2^(R_I − E_J)
             b = (kh[:, :, cs] * f_ij[:, :, None]).float().transpose(-1, -2)
         else:  # K̃ (fp32) times 2^(R_1 − C_0), rounded once
-            f_rc = torch.exp2(blk_first[:, :, ib] - (blk_first[:, :, jb] - shift))
+            f_rc = ex2(blk_first[:, :, ib] - (blk_first[:, :, jb] - shift))
             b = (ks[:, :, cs] * fb[:, :, cs] * f_rc[:, :, None]).to(bf16).float().transpose(-1, -2)
         akk[:, :, r, cs] = (ka[:, :, r].float() @ b) * 2.0 ** -shift
         aqk[:, :, r, cs] = (qa[:, :, r].float() @ b) * 2.0 ** -shift
