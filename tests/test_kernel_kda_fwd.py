@@ -1743,8 +1743,8 @@ KGT_CASES = ["tc-T1", "tc-T65-gva-vfirst", "tc-T1000-negeig", "tc-varlen-zero", 
 def test_gpu_kgt_ref_is_within_a_bf16_step_of_kh(name, monkeypatch):
     """kgᵀ formed as (K̃ 2^(ref − C)) 2^(Γ_last − ref) (KGT "ref", two FMUL an element) against session 36's
     (K̃ 2^(E − C)) 2^(Γ_last − E) ("kh"): every other scratch tile is bitwise the same, kgᵀ is within one bf16 step
-    element by element (the same value rounded through other fp32 factors), and o and the final state agree to
-    bf16 accuracy; the reference calls did build the "kh" stage 1."""
+    element by element (the same value rounded through other fp32 factors) except where both are below 2^-126, and o
+    and the final state agree to bf16 accuracy; the reference calls did build the "kh" stage 1."""
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
     args, kw = _equality_case(name)
@@ -1766,8 +1766,10 @@ def test_gpu_kgt_ref_is_within_a_bf16_step_of_kh(name, monkeypatch):
     a, b = scr[kg_name], scr_ref[kg_name]
     assert a.dtype == torch.bfloat16
     steps = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
-    same_sign = (a.float() * b.float() >= 0)
-    assert (steps[same_sign] <= 1).all() and ((a.float() - b.float())[~same_sign].abs() < 2.0 ** -120).all()
+    # below 2^-126 one form may keep a subnormal the other flushes (ex2.ftz): a few bf16 subnormal steps, or a sign
+    tiny = (a.float().abs() < 2.0 ** -126) & (b.float().abs() < 2.0 ** -126)
+    bad = (steps > 1) & ~tiny
+    assert not bad.any(), (bad.sum().item(), a[bad][:4].tolist(), b[bad][:4].tolist())
     assert (o.float() - o_ref.float()).norm() <= 1e-2 * o_ref.float().norm()
     assert (ht is None and ht_ref is None) or (ht - ht_ref).norm() <= 1e-2 * ht_ref.norm()
 

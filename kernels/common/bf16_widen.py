@@ -19,8 +19,9 @@ _HIGH_HALF = -65536  # 0xFFFF0000 as an Int32
 @cute.jit
 def widen_bf16(src: cute.Tensor, dst: cute.Tensor, mode: cutlass.Constexpr = WIDEN_MODES[0]):
     """``dst[i] = float(src[i])``: ``src`` an even-length bf16 register tensor (contiguous), ``dst`` an fp32
-    register tensor of the same length. Exact in both modes (the same bits)."""
-    if cutlass.const_expr(mode == "cvt"):
+    register tensor of the same length. Exact in both modes (the same bits). Any other ``src`` type (an fp32 gate) is
+    converted as ``TensorSSA.to`` does."""
+    if cutlass.const_expr(mode == "cvt" or src.element_type is not cutlass.BFloat16):  # (an fp32 source: a copy)
         dst.store(src.load().to(cutlass.Float32))
     else:
         n = cute.size(src)
