@@ -274,3 +274,10 @@ def test_s37_runs_the_gpu_tests_then_splits_against_session_36_twice(tmp_path):
     assert "pytest" in cmds[0] and "-m gpu" in cmds[0] and "-k widen or kgt" in cmds[0]
     assert len(cmds) == 5 and all("--split worst" in c for c in cmds[1:])
     assert ["CULA_KDA_TC_WIDEN=cvt CULA_KDA_TC_KGT=kh " in c for c in cmds[1:]] == [False, True] * 2
+
+
+def test_s37b_checks_the_square_gate_factors_then_splits_against_them_twice(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "s37b")
+    assert "CULA_KDA_TC_GATE_FACTORS=square" in cmds[0] and "--check" in cmds[0] and "tc-lb5-strong" in cmds[0]
+    assert len(cmds) == 5 and all("--split worst" in c for c in cmds[1:])
+    assert ["CULA_KDA_TC_GATE_FACTORS=square " in c for c in cmds[1:]] == [False, True] * 2

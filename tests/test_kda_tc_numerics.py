@@ -251,3 +251,33 @@ def test_stage1_kgt_is_accurate_element_by_element_when_half_a_chunk_saturates(f
     # the case reaches the flush the two-factor forms avoid: one factor 2^(Γ_last − C_0) is zero in fp32
     shift = tc.factor_shift(32) * lb
     assert (gam[-1] - (gam[0] - shift)).max() < -126
+
+
+@pytest.mark.parametrize("lb, block", [(-5.36, 32), (-5.0, 32), (-11.0, 16)])
+def test_square_gate_factor_error_is_absolute_and_below_bf16_rounding(lb, block):
+    """GATE_FACTORS "square": k 2^Γ as (k 2^(Γ − C)) 2^C with 2^C = h h formed once a column in fp32, whose FMUL keeps
+    subnormals (C + 149 bits below 2^-126, zero below 2^-149), against fp64 on gates at the bound (the references
+    reach C < −149). Its error is absolute: below |k| 2^(shift − 149) + bf16's half step of the value, where the
+    halved form ((k 2^(Γ − C)) h) h is within the half step alone; the case does reach 2^C below 2^-126."""
+    gen = torch.Generator().manual_seed(11)
+    ftz = lambda y: torch.where(y.abs() < 2.0 ** -126, torch.zeros_like(y), y)  # ex2.approx.ftz's results
+    rows = 64
+    k = l2norm(torch.randn(rows, D, generator=gen, dtype=torch.float64))
+    g = lb * torch.rand(rows, D, generator=gen, dtype=torch.float64) ** 0.25  # mostly near the bound
+    gam = (g / math.log(2.0)).cumsum(0)
+    shift = (block / 2 - 0.5) * -lb / math.log(2.0)
+    first = gam[::block].repeat_interleave(block, 0)
+    c = (first - shift).float()
+    fa = ftz(torch.exp2(gam.float() - c))
+    h = ftz(torch.exp2(c * 0.5))
+    ka = k.float() * fa
+    square = (ka * (h * h)).bfloat16().double()
+    halves = ((ka * h) * h).bfloat16().double()
+    exact = k * torch.exp2(gam)
+    half_step = 2.0 ** -8 * exact.abs()  # bf16: 8 significant bits
+    bound = k.abs() * 2.0 ** (shift - 149)
+    assert ((square - exact).abs() <= half_step * 1.01 + bound + 2.0 ** -133).all()
+    assert ((halves - exact).abs() <= half_step * 1.01 + 2.0 ** -133).all()
+    hh = (h * h).double()
+    assert (hh < 2.0 ** -126).any()  # the case reaches 2^C below the normal range
+    assert shift - 149 <= -29

@@ -1803,3 +1803,17 @@ def test_widen_environment_is_checked_by_name():
 
     with pytest.raises(ValueError, match=r"widen \(CULA_KDA_TC_WIDEN\): expected one of \('int', 'cvt'\), got 'f16'"):
         intra_tc.KdaFwdIntraTC(True, True, True, True, False, 1, widen="f16")
+
+
+def test_ptx_square_gate_factors_are_leaner_and_do_not_spill():
+    """GATE_FACTORS "square" (2^C once a column, one FMUL an element for X and for qg): within the 168 registers of
+    three CTAs an SM, no spills or local memory, the same 44 wgmma, and at least 128 - 16 fewer fp32 multiplies a
+    thread than the default (two an element for 64 elements, less the 16 per-column ones it adds)."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common.ptx_check import ptx_reports
+
+    base, square = "intra_tc_t_out_block32_pack_x_ctas3", "intra_tc_t_out_block32_pack_x_ctas3_square"
+    r = ptx_reports("cula.kernels.sm90.kda_fwd", [base, square])
+    assert r[square].spill_bytes == 0 and ".local" not in r[square].ptx and r[square].max_registers <= 168
+    assert r[square].count("wgmma.mma_async") == r[base].count("wgmma.mma_async") == 44
+    assert r[base].count("mul.f32") - r[square].count("mul.f32") >= 128 - 16

@@ -81,6 +81,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         no_qkx) envs="CULA_KDA_TC_DIAG=no_qg_kgt,no_wu_store" ;;
         cvt) envs="CULA_KDA_TC_WIDEN=cvt" ;;
         s36) envs="CULA_KDA_TC_WIDEN=cvt CULA_KDA_TC_KGT=kh" ;;
+        square) envs="CULA_KDA_TC_GATE_FACTORS=square" ;;
         pre26) envs="CULA_KDA_TC_PHASE1=pre26" ;;
         lean) envs="CULA_KDA_TC_PHASE1=lean" ;;
         tma_qk) envs="CULA_KDA_TC_PHASE1=tma_qk" ;;
@@ -425,6 +426,12 @@ for s in $steps; do
         step s37_test 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "widen or kgt" || continue
         mode_splits s37_split default s36 default s36 ;;
+    s37b)  # session 37: X and qg through 2^C = h h formed once a column (GATE_FACTORS square, 121 SASS instructions a
+        # thread fewer): the nine phase-1 checks with it, then the default against it twice in turn (<= 330 s; AOT
+        # gate_square_checks, split, gate_square_split)
+        step square_check 200 env CULA_KDA_TC_GATE_FACTORS=square python3 -u -m cula.kernels.sm90.kda_fwd --check \
+            --no-bench --cases $phase1_cases || continue
+        mode_splits square_split default square default square ;;
     s35)  # session 35: the occupancy GPU test with a function handle of its own (stage 1 compiled with --keep-cubin,
         # loaded by us: neither a compiled nor an AOT-loaded DSL function hands one to Python), the AOT GPU test on
         # the fingerprint of kernel sources only (88e7d2d), then two CTAs / the default on the short fixed rows

@@ -147,7 +147,7 @@ PREFETCH_AHEAD = (lambda v: int(v) if v else None)(__import__("os").environ.get(
 #: default (kda_fwd_log.md, sessions 22-23). (Session 19's running products, "chain", with the same MUFU
 #: saving, more instructions and a few ulps of drift, were removed unmeasured.) ``CULA_KDA_TC_GATE_FACTORS=direct``
 #: for A/B.
-GATE_FACTOR_MODES = ("halves", "direct")
+GATE_FACTOR_MODES = ("halves", "direct", "square")  # "square": see phase 2
 GATE_FACTORS = __import__("os").environ.get("CULA_KDA_TC_GATE_FACTORS", "halves")
 #: How the inverse's four 16x16 diagonal blocks are substituted (session 21): "right" (the default) the block's A
 #: in registers first, then each final entry updates every later row (a 15-FMA chain; same terms, same order);
@@ -1074,11 +1074,16 @@ class KdaFwdIntraTC:
         rq = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         rk = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
         kgt = cute.make_rmem_tensor(cute.make_layout((COLS_PER_THREAD, rpt), stride=(rpt, 1)), BF16)  # [c][rr]
-        halves = self.gate_factors == "halves"
+        square = self.gate_factors == "square"
+        halves = self.gate_factors == "halves" or square
         # "halves": Γ − C = gl + (pre − C), and 2^Γ = 2^(Γ−C) h h with h = 2^(C/2). C <= 0 (Γ of the block's
         # first row less shift >= 0), so 2^(Γ−C) h = 2^(Γ − C/2) lies between 2^Γ and 2^(Γ−C) <= 2^shift <
         # 2^128: nothing overflows, and an intermediate that underflows has a result that does too. h itself
         # is normal down to C = −252; below, Γ <= C + shift < −252 + 119 flushes to zero either way.
+        # "square" (session 37): 2^C = h h formed once a column, then one FMUL an element for X and for qg (two
+        # fewer). FMUL keeps subnormals, so 2^C has C + 149 bits below 2^-126 and is 0 below 2^-149; the values it
+        # scales are <= |k̂| 2^(C + shift), so the absolute error of X and qg stays below |k̂| 2^(shift − 149) <=
+        # 2^-29 |k̂| (|q̂| scale for qg), under bf16's rounding of any value above 2^-20 |k̂| (test_kda_tc_numerics).
         pc = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # pre − C
         hc = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # 2^(C/2)
         hx = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)  # ±h: X's sign (t_out) rides on it
@@ -1087,6 +1092,9 @@ class KdaFwdIntraTC:
                 pc[c] = pre[c] - cref[c]
                 hc[c] = cute.math.exp2(cref[c] * F32(0.5), fastmath=True)
                 hx[c] = -hc[c] if cutlass.const_expr(self.t_out) else hc[c]
+                if cutlass.const_expr(square):  # h h = 2^C once a column (FMUL keeps subnormals)
+                    hx[c] = hx[c] * hc[c]
+                    hc[c] = hc[c] * hc[c]
         if cutlass.const_expr(g_first):  # q and k, waited for only now: their zeroed tail, row sums and norms
             cute.arch.mbarrier_wait(mbar_qk, 0)
             _read_landed_rows(a_layout, [(qa_raw, raw_q), (ka_raw, raw_k)], nvalid, r0, d0)
@@ -1156,7 +1164,10 @@ class KdaFwdIntraTC:
                     kgt[c, rr] = (kh[c] * fk[c]).to(BF16)  # k̂ 2^(Γ_last − Γ)
                     if cutlass.const_expr(fbk != SUB):
                         bp[c] = kt[c] * fpair[c]
-                if cutlass.const_expr(halves):  # k 2^Γ and q 2^Γ as (k 2^(Γ−C)) h h, (q 2^(Γ−C)) h h
+                if cutlass.const_expr(square):  # k 2^Γ and q 2^Γ as (k 2^(Γ−C)) 2^C, (q 2^(Γ−C)) 2^C
+                    xx[c] = ka[c] * hx[c]
+                    qg[c] = qa[c] * hc[c]
+                elif cutlass.const_expr(halves):  # k 2^Γ and q 2^Γ as (k 2^(Γ−C)) h h, (q 2^(Γ−C)) h h
                     xx[c] = (ka[c] * hc[c]) * hx[c]
                     qg[c] = (qa[c] * hc[c]) * hc[c]
                 elif cutlass.const_expr(self.t_out):  # -X, so that w = T'X leaves as -w (ptxas folds the sign)
@@ -1821,6 +1832,8 @@ def compile_targets():
         # − E) (KGT "kh"): both before session 37
         "t_out_block32_pack_x_ctas3_cvt": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
                                                 x_out=True, ctas=3, widen="cvt"),
+        "t_out_block32_pack_x_ctas3_square": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
+                                                   x_out=True, ctas=3, gate_factors="square"),
         "t_out_block32_pack_x_ctas3_s36": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
                                                 x_out=True, ctas=3, widen="cvt", kgt="kh"),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
