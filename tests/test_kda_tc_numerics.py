@@ -222,11 +222,11 @@ def test_gpu_stage1_runs_its_ctas_per_sm(monkeypatch, tmp_path):
     assert set(built) == {2, 3}, built  # both tiles were built and checked
 
 
-@pytest.mark.parametrize("factor_block", [32, 16])
-def test_stage1_kgt_is_accurate_element_by_element_when_half_a_chunk_saturates(factor_block):
+@pytest.mark.parametrize("factor_block, kgt", [(32, "ref"), (32, "kh"), (16, None)])
+def test_stage1_kgt_is_accurate_element_by_element_when_half_a_chunk_saturates(factor_block, kgt):
     """kgᵀ = k̂ 2^(Γ_last − Γ) as stage 1's model forms it (32-row blocks: (K̃ 2^(ref − C)) 2^(Γ_last − ref), ref = Γ at
-    row 32 for block 0's rows, C_1 for block 1's; 16-row blocks: K̂ 2^(Γ_last − E)) is within bf16 rounding of the fp64
-    value in every element, normal or not, when rows 0-31 sit at the bound (−5.36, 32-row blocks' lowest) and rows
+    row 32 for block 0's rows, C_1 for block 1's; "kh" and 16-row blocks: K̂ 2^(Γ_last − E)) is within bf16 rounding
+    of the fp64 value in every element, normal or not, when rows 0-31 sit at the bound (−5.36, 32-row blocks' lowest) and rows
     32-63 decay by ~2^-9 in all: block 0's values are then 2^-9 to 2^-249 of |k̂|. The one-factor form
     K̃ 2^(Γ_last − C_0) would flush the largest of them to zero (2^(Γ_last − C_0) < 2^-126), which the case checks
     it reaches."""
@@ -241,7 +241,7 @@ def test_stage1_kgt_is_accurate_element_by_element_when_half_a_chunk_saturates(f
     beta = torch.rand(C, 1, generator=gen).bfloat16()
     chunks = torch.tensor([[0, C]], dtype=torch.int32)
     model = tc.emulate(q, k, v, g, beta, chunks, D ** -0.5, lb, use_qk_l2norm=True, log_gate=True,
-                       factor_block=factor_block)
+                       factor_block=factor_block, kgt=kgt)
     kh = l2norm(k[:, 0].double())
     gam = (g[:, 0].double().clamp(lb, 0.0) / math.log(2.0)).cumsum(0)
     want = kh * (gam[-1:] - gam).exp2()  # [C, D]

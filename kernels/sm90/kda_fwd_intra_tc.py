@@ -146,8 +146,10 @@ PREFETCH_AHEAD = (lambda v: int(v) if v else None)(__import__("os").environ.get(
 #: checks; against halves -0.7% of both stages at B2 T16384 and +0.4-0.8% on the n20 rows, so halves stays the
 #: default (kda_fwd_log.md, sessions 22-23). (Session 19's running products, "chain", with the same MUFU
 #: saving, more instructions and a few ulps of drift, were removed unmeasured.) ``CULA_KDA_TC_GATE_FACTORS=direct``
-#: for A/B.
-GATE_FACTOR_MODES = ("halves", "direct", "square")  # "square": see phase 2
+#: for A/B. "square" (session 37, opt-in): 2^C = h h once a column, one FMUL an element for X and for qg (see phase 2;
+#: SASS 4,800 -> 4,679 a thread); H100: nine checks PASS, stage 1 at B2 T16384 within noise (1.316 / 1.315 -> 1.318 /
+#: 1.308 ms), about -1% on the n20 rows: not worth the absolute error it adds below 2^-126.
+GATE_FACTOR_MODES = ("halves", "direct", "square")
 GATE_FACTORS = __import__("os").environ.get("CULA_KDA_TC_GATE_FACTORS", "halves")
 #: How the inverse's four 16x16 diagonal blocks are substituted (session 21): "right" (the default) the block's A
 #: in registers first, then each final entry updates every later row (a 15-FMA chain; same terms, same order);
@@ -1863,7 +1865,7 @@ def gate_log2(g, lower_bound: float, a_exp, dtb, softplus_gate: bool = False, lo
 
 def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=None,
             use_qk_l2norm=False, use_beta_sigmoid=False, allow_neg_eigval=False, softplus_gate=False,
-            log_gate=False, factor_block=SUB):
+            log_gate=False, factor_block=SUB, kgt=None):
     """The stage-1 scratch exactly as this kernel forms it, in torch (CPU or GPU).
 
     ``q, k: [TT, H, 128]``, ``v, g: [TT, HV, 128]``, ``beta: [TT, HV]`` (flattened tokens), ``chunks``
@@ -1873,7 +1875,8 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
     and the product times 2^-shift in fp32; ``softplus_gate``: the softplus gate clamped at
     ``lower_bound`` (``SOFTPLUS_FLOOR``); ``log_gate``: ``g`` is the log-space decay, clamped to
     ``[lower_bound, 0]``; ``factor_block`` 32: the reference factors per 32-row block (``FACTOR_BLOCKS``), one
-    off-diagonal block whose B factor ``k̂ 2^(R − Γ)`` is formed in fp32 and rounded once. It exists to test the
+    off-diagonal block whose B factor ``k̂ 2^(R − Γ)`` is formed in fp32 and rounded once, and kgᵀ formed as ``kgt``
+    (one of ``KGT_MODES``; None: the module's ``KGT``) says. It exists to test the
     algorithm (reference factors, block
     inverse, where bf16 rounding happens) on a CPU against the exact emulation; the GPU check compares
     the kernel with ``kda_fwd.emulate_stages`` directly.
@@ -1917,6 +1920,7 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
     cref = (blk_first - shift).repeat_interleave(fbk, 2)
     eref = blk_last.repeat_interleave(fbk, 2)
     last = gam[:, :, -1:]
+
     def ex2(x):  # the kernel's exp2 factors: ex2.approx.ftz, whose subnormal results are zero (its FMULs keep them)
         y = torch.exp2(x)
         return torch.where(y.abs() < 2.0 ** -126, torch.zeros_like(y), y)
@@ -1929,7 +1933,7 @@ def emulate(q, k, v, g, beta, chunks, scale, lower_bound, A_log=None, dt_bias=No
     kh = kh_f.to(bf16)
     xx = (ks * torch.exp2(gam)).to(bf16)
     qg = (qs * torch.exp2(gam)).to(bf16)
-    if fbk == SUB or KGT != "ref":
+    if fbk == SUB or (KGT if kgt is None else kgt) != "ref":
         kg = (kh_f * ex2(last - eref)).to(bf16)
     else:  # (K̃ 2^(ref − C)) 2^(Γ_last − ref): ref = R (Γ at row 32) for block 0's rows, C_1 for block 1's
         ref = torch.where((rows < fbk)[None, None, :, None], gam[:, :, fbk:fbk + 1], cref)
