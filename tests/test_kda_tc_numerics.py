@@ -226,8 +226,8 @@ def test_gpu_stage1_runs_its_ctas_per_sm(monkeypatch, tmp_path):
 def test_stage1_kgt_is_accurate_element_by_element_when_half_a_chunk_saturates(factor_block, kgt):
     """kgᵀ = k̂ 2^(Γ_last − Γ) as stage 1's model forms it (32-row blocks: (K̃ 2^(ref − C)) 2^(Γ_last − ref), ref = Γ at
     row 32 for block 0's rows, C_1 for block 1's; "kh" and 16-row blocks: K̂ 2^(Γ_last − E)) is within bf16 rounding
-    of the fp64 value in every element, normal or not, when rows 0-31 sit at the bound (−5.36, 32-row blocks' lowest) and rows
-    32-63 decay by ~2^-9 in all: block 0's values are then 2^-9 to 2^-249 of |k̂|. The one-factor form
+    of the fp64 value in every element, normal or not, when rows 0-31 sit at the bound (−5.36, 32-row blocks'
+    lowest) and rows 32-63 decay by ~2^-9 in all: block 0's values are then 2^-9 to 2^-249 of |k̂|. The one-factor form
     K̃ 2^(Γ_last − C_0) would flush the largest of them to zero (2^(Γ_last − C_0) < 2^-126), which the case checks
     it reaches."""
     from cula.kernels.sm90 import kda_fwd_intra_tc as tc

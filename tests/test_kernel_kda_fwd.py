@@ -856,6 +856,14 @@ def _equality_case(name: str) -> tuple:
     return chk._inputs(*case, dev=torch.device("cuda"))
 
 
+def _recorded_launch_keys(monkeypatch) -> list:
+    """The launcher keys of kda_fwd's launches from now on, appended as they happen (clear it to start over)."""
+    keys = []
+    launcher = kda_fwd._launcher
+    monkeypatch.setattr(kda_fwd, "_launcher", lambda kind, key, *a: keys.append(key) or launcher(kind, key, *a))
+    return keys
+
+
 def _check_bitwise_equal(args, kw, reference, candidate, after=lambda: None):
     """With and without a state: the scratch, o and the final state of two calls made after ``candidate()`` are
     bitwise those of one made after ``reference()`` (each sets the module state it stands for), then ``after()``
@@ -1241,9 +1249,7 @@ def test_gpu_ctas3_equals_the_default(name, pack, monkeypatch):
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
     args, kw = _equality_case(name)
-    keys = []
-    launcher = kda_fwd._launcher
-    monkeypatch.setattr(kda_fwd, "_launcher", lambda kind, key, *a: keys.append(key) or launcher(kind, key, *a))
+    keys = _recorded_launch_keys(monkeypatch)
     monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
     monkeypatch.setattr(kda_fwd, "W_IN_RECUR", True)
     monkeypatch.setattr(kda_fwd, "PACK", pack)
@@ -1710,9 +1716,7 @@ def test_gpu_widen_int_equals_cvt(name, monkeypatch):
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
     args, kw = _equality_case(name)
-    keys = []
-    launcher = kda_fwd._launcher
-    monkeypatch.setattr(kda_fwd, "_launcher", lambda kind, key, *a: keys.append(key) or launcher(kind, key, *a))
+    keys = _recorded_launch_keys(monkeypatch)
 
     def cvt():
         monkeypatch.setattr(intra_tc, "WIDEN", "cvt")
@@ -1731,8 +1735,9 @@ def _assert_default_widening(keys: list) -> None:
     assert keys and not any("widen" in dict(k[0]) for k in keys)
 
 
-#: The GPU test's cases for KGT: the 32-row blocks' gate forms (the lower-bounded sigmoid, fixed and varlen, saturated at
-#: -5 and strong at -5.36; the log-space gate), GVA V-first, zero-length segments, 33 segments, a long random batch
+#: The GPU test's cases for KGT: the 32-row blocks' gate forms (the lower-bounded sigmoid, fixed and varlen,
+#: saturated at -5 and strong at -5.36; the log-space gate), GVA V-first, zero-length segments, 33 segments, a long
+#: random batch
 KGT_CASES = ["tc-T1", "tc-T65-gva-vfirst", "tc-T1000-negeig", "tc-varlen-zero", "tc-varlen-33", "tc-lb5-strong",
              "tc-loggate-safe-varlen", "big-varlen"]
 
@@ -1748,9 +1753,7 @@ def test_gpu_kgt_ref_is_within_a_bf16_step_of_kh(name, monkeypatch):
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
     args, kw = _equality_case(name)
-    keys = []
-    launcher = kda_fwd._launcher
-    monkeypatch.setattr(kda_fwd, "_launcher", lambda kind, key, *a: keys.append(key) or launcher(kind, key, *a))
+    keys = _recorded_launch_keys(monkeypatch)
     monkeypatch.setattr(intra_tc, "KGT", "kh")
     o_ref, ht_ref, scr_ref = kda_fwd.kda_fwd(*args, **kw, return_scratch=True)
     assert any(dict(k[0]).get("kgt") == "kh" for k in keys)
@@ -1796,13 +1799,15 @@ def test_ptx_session_37_stage_1_is_shorter():
         assert n[new] < min(n[cvt], n[s36]), n
 
 
-def test_widen_environment_is_checked_by_name():
-    """An unknown widening names the argument, what it takes and what it got."""
+def test_widen_and_kgt_environments_are_checked_by_name():
+    """An unknown widening or kgᵀ form names the argument, what it takes and what it got."""
     pytest.importorskip("cutlass")
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
 
     with pytest.raises(ValueError, match=r"widen \(CULA_KDA_TC_WIDEN\): expected one of \('int', 'cvt'\), got 'f16'"):
         intra_tc.KdaFwdIntraTC(True, True, True, True, False, 1, widen="f16")
+    with pytest.raises(ValueError, match=r"kgt \(CULA_KDA_TC_KGT\): expected one of \('ref', 'kh'\), got 'e'"):
+        intra_tc.KdaFwdIntraTC(True, True, True, True, False, 1, kgt="e")
 
 
 def test_ptx_square_gate_factors_are_leaner_and_do_not_spill():

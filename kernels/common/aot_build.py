@@ -116,7 +116,8 @@ SCENARIOS = {
     "unpacked_checks": ("tc", {"PACK": "0"}),
     "ctas2_unpacked_checks": ("tc", {"intra_tc.CTAS": 2, "PACK": "0"}),
     # device_round s37: stage 1 widening bf16 by cvt.f32.bf16 (intra_tc.WIDEN), forming kgT as K^ 2^(G_last - E)
-    # (intra_tc.KGT "kh"): in the check cases (the GPU tests' reference calls); both (session 36's stage 1) in the splits
+    # (intra_tc.KGT "kh"): in the check cases (the GPU tests' reference calls); both (session 36's stage 1) in the
+    # splits
     "widen_cvt_checks": ("tc", {"intra_tc.WIDEN": "cvt"}),
     "kgt_kh_checks": ("tc", {"intra_tc.KGT": "kh"}),
     "s36_split": ("split", {"intra_tc.WIDEN": "cvt", "intra_tc.KGT": "kh"}),
