@@ -65,6 +65,18 @@ def test_clock_times_two_ctas_one_cta_and_what_the_stamps_cost(tmp_path):
     assert [("CULA_KDA_TC_DIAG=clock" in c) for c in splits] == [False, True]
 
 
+def test_s38_clock_stamps_both_packings_then_times_the_stamps(tmp_path):
+    from cula.kernels.common import aot_build
+
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "s38_clock")
+    runs = [c for c in cmds if "kda_fwd_clock" in c]
+    assert len(runs) == 2 and "--B 2 --T 16384" in runs[0] and "--dist uniform --n 20" in runs[1]
+    assert not any("--one-cta" in c or "--diag" in c for c in runs)
+    splits = [c for c in cmds if "--split worst" in c]
+    assert [("CULA_KDA_TC_DIAG=clock" in c) for c in splits] == [False, True, False, True]
+    assert "diag_clock" in aot_build.CORE_SCENARIOS
+
+
 def test_block32_checks_name_real_cases_then_splits(tmp_path):
     from cula.kernels.sm90.kda_fwd_check import CASES
 

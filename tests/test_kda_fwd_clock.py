@@ -58,13 +58,41 @@ def test_wait_company_tells_in_step_from_staggered_ctas():
     assert "others on its SM work 50.0% and wait 0.0%" in report(stamps, np.array([1, 1]), "t")
 
 
-def test_host_path_puts_the_stamps_after_gamma(monkeypatch):
-    """With the diagnostic, γ's buffer grows by CLOCK_SLOTS int64 per (head, chunk), zeroed, and LAST_CLOCKS views
-    them; the launch key carries it; the outputs are right, so no warning. Without it, γ is as before."""
+def test_unwrap_restores_the_counter_per_sm():
+    """The kernel keeps the low 32 bits of each SM's counter: unwrap gives back the 64-bit stamps (up to a
+    multiple of 2^32 per SM, which no difference sees) across a wrap, and keeps the SM id."""
+    from cula.kernels.sm90.kda_fwd_clock import unwrap
+
+    rng = np.random.default_rng(3)
+    n, slots = 40, 20
+    sm = rng.integers(0, 4, n)
+    base = np.array([2**32 - 5_000, 7 * 2**32 + 123, 2**40 + 2**31 - 10, 99])[sm]  # SMs 0 and 2 wrap mid-run
+    true = base[:, None] + np.sort(rng.integers(0, 60_000, (n, slots - 1)), axis=1)
+    raw = np.concatenate([(true & 0xFFFFFFFF).astype(np.uint32).view(np.int32), sm[:, None].astype(np.int32)], 1)
+    got = unwrap(raw)
+    assert got.dtype == np.int64 and np.array_equal(got[:, -1], sm)
+    for s in range(4):
+        rows = sm == s
+        if rows.any():
+            shift = got[rows, :-1] - true[rows]
+            assert np.all(shift == shift[0, 0]) and shift[0, 0] % 2**32 == 0
+    assert np.array_equal(np.diff(got[:, :-1], axis=1), np.diff(true, axis=1))
+    planted = raw.copy()
+    planted[:, :-1] = (true // 2 & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+    assert not np.array_equal(np.diff(unwrap(planted)[:, :-1], axis=1), np.diff(true, axis=1))
+
+
+@pytest.mark.parametrize("pack", ["0", "1"])
+def test_host_path_puts_the_stamps_after_gamma(monkeypatch, pack):
+    """With the diagnostic, γ's buffer (K or GAM_PITCH_PACK floats a row, packed or not) grows by CLOCK_SLOTS int32
+    per (head, chunk), zeroed, and LAST_CLOCKS views them; the launch key is the default's (three CTAs an SM)
+    plus the diagnostic; the outputs are right, so no warning. Without it, γ is as before."""
     pytest.importorskip("cutlass")
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+    from cula.kernels.sm90 import kda_fwd_recur as recur
 
     calls = record_kda_launches(monkeypatch)
+    monkeypatch.setattr(kda_fwd, "PACK", pack)
     HV, T = 2, 130
     q, k, v, g = (torch.randn(1, T, HV, 128).bfloat16() for _ in range(4))
     beta = torch.randn(1, T, HV).bfloat16()
@@ -76,18 +104,23 @@ def test_host_path_puts_the_stamps_after_gamma(monkeypatch):
         warnings.simplefilter("error")
         kda_fwd.kda_fwd(q, k, v, g, beta, **kw)
     (kind, key, _, values), _ = calls
-    assert kind == "intra_tc" and dict(key[0])["diag"] == ("clock",)
+    flags = dict(key[0])
+    assert kind == "intra_tc" and flags["diag"] == ("clock",)
     clocks, chunks = kda_fwd.LAST_CLOCKS
     nc = chunks.shape[0]
-    assert clocks.shape == (HV, nc, intra_tc.CLOCK_SLOTS) and clocks.dtype == torch.int64
+    assert clocks.shape == (HV, nc, intra_tc.CLOCK_SLOTS) and clocks.dtype == torch.int32
     assert not clocks.any()
+    pitch = recur.GAM_PITCH_PACK if pack == "1" else 128
     gam_ptr = values[13]
-    assert clocks.data_ptr() == gam_ptr + HV * nc * 128 * 4  # where the kernel writes them
+    assert clocks.data_ptr() == gam_ptr + HV * nc * pitch * 4  # where the kernel writes them
     calls.clear()
     monkeypatch.setattr(intra_tc, "DIAG", ())
     monkeypatch.setattr(kda_fwd, "LAST_CLOCKS", None)
     kda_fwd.kda_fwd(q, k, v, g, beta, **kw)
-    assert "diag" not in dict(calls[0][1][0]) and kda_fwd.LAST_CLOCKS is None
+    default = dict(calls[0][1][0])
+    assert "diag" not in default and kda_fwd.LAST_CLOCKS is None
+    assert default.get("ctas") == intra_tc.CTAS and default.get("pack", False) == (pack == "1")
+    assert {k: v for k, v in flags.items() if k != "diag"} == default  # the default build plus the stamps
 
 
 def test_clock_ptx_reads_the_counter_at_every_stamp():
@@ -95,12 +128,16 @@ def test_clock_ptx_reads_the_counter_at_every_stamp():
     from cula.kernels.common.ptx_check import ptx_report
     from cula.kernels.sm90.kda_fwd_intra_tc import CLOCK_SLOTS
 
-    rep = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_clock")
-    assert rep.ptx.count("%clock64") == len(STAMP_NAMES) and rep.ptx.count("%smid") == 1
-    assert rep.ptx.count("st.global.v2.u64") == CLOCK_SLOTS // 2  # thread 0's stamps, 16 bytes at a time
-    assert rep.spill_bytes == 0
-    base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out")
-    assert "%clock64" not in base.ptx and "%smid" not in base.ptx
+    assert CLOCK_SLOTS % 4 == 0 and CLOCK_SLOTS > len(STAMP_NAMES)
+    for target in ("t_out_clock", "t_out_block32_x_ctas3_clock", "t_out_block32_pack_x_ctas3_clock"):
+        rep = ptx_report("cula.kernels.sm90.kda_fwd", f"intra_tc_{target}")
+        # at least one read a stamp (the optimizer may copy a read into both arms of a branch: 18 at three CTAs)
+        assert rep.ptx.count("%clock;") >= len(STAMP_NAMES) and rep.ptx.count("%smid") == 1, target
+        assert "%clock64" not in rep.ptx
+        assert rep.ptx.count("st.global.v4.u32") == CLOCK_SLOTS // 4, target  # thread 0's, 16 bytes at a time
+        assert rep.spill_bytes == 0, target  # 64-bit stamps spilled 56 bytes at three CTAs (session 37)
+    base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_pack_x_ctas3")
+    assert "%clock" not in base.ptx and "%smid" not in base.ptx
 
 
 def test_suite_call_is_the_split_rows_launch(monkeypatch):
@@ -119,3 +156,50 @@ def test_suite_call_is_the_split_rows_launch(monkeypatch):
     assert kw["initial_state"].shape == (3, 4, 128, 128)
     kda_fwd.kda_fwd(*args, **kw, stages=("intra",))
     assert [c[1] in have for c in calls if c[0] == "intra_tc"] == [True]
+
+
+def test_three_ctas_take_the_clock_and_no_other_diagnostic():
+    """Three CTAs an SM take the clock (its 32-bit stamps fit) but refuse the diagnostics that change the work or
+    the shared memory, naming the argument."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.sm90.kda_fwd_intra_tc import KdaFwdIntraTC
+
+    flags = dict(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True, allow_neg_eigval=False,
+                 group=1, t_out=True, factor_block=32, x_out=True, ctas=3)
+    assert KdaFwdIntraTC(**flags, diag=("clock",)).clock
+    assert KdaFwdIntraTC(**flags, pack=True, diag=("clock",)).pack
+    for diag in (("one_cta",), ("clock", "no_qg_kgt")):
+        with pytest.raises(ValueError, match=r"ctas \(CULA_KDA_TC_CTAS\) = 3.*no diagnostic but clock"):
+            KdaFwdIntraTC(**flags, diag=diag)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("B, dist", [(2, None), (1, "uniform")], ids=["packed", "unpacked"])
+def test_gpu_clock_at_three_ctas_keeps_the_outputs_and_its_stamps_in_order(monkeypatch, B, dist):
+    """The clock build at the three-CTA default (B2: 16 chunks a sequence, packed; 20 sequences over 1,024 tokens:
+    unpacked): o and the final state bitwise the default's; per real chunk the unwrapped stamps never decrease
+    and the chunk lives > 0 cycles; the SM ids are real SMs, more than one; dummy chunks' rows stay zero."""
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+    from cula.kernels.sm90.kda_fwd_clock import unwrap
+    from cula.kernels.sm90.kda_fwd_profile import suite_call
+
+    torch.manual_seed(5)
+    args, kw = suite_call(B, 1024, 4, dist, 20)
+    monkeypatch.setattr(intra_tc, "DIAG", ())
+    o_ref, ht_ref = kda_fwd.kda_fwd(*args, **kw)
+    monkeypatch.setattr(intra_tc, "DIAG", ("clock",))
+    monkeypatch.setattr(kda_fwd, "LAST_CLOCKS", None)
+    o, ht = kda_fwd.kda_fwd(*args, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+    clocks, chunks = kda_fwd.LAST_CLOCKS
+    real = (chunks[:, 1] > 0).cpu().numpy()
+    raw = clocks.cpu().numpy()
+    assert not raw[:, ~real, :].any()
+    stamps = unwrap(raw[:, real, :].reshape(-1, raw.shape[-1]))
+    spans = np.diff(stamps[:, :len(STAMP_NAMES)], axis=1)
+    assert (spans >= 0).all() and (stamps[:, len(STAMP_NAMES) - 1] > stamps[:, 0]).all()
+    sm = stamps[:, -1]
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    assert sm.min() >= 0 and sm.max() < n_sm and len(np.unique(sm)) > 1

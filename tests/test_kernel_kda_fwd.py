@@ -1381,7 +1381,7 @@ def test_unpack_aqk_tp_inverts_the_packing():
 def test_host_path_pack(monkeypatch):
     """With PACK (and u in stage 2) both stages are built with ``pack``, the Aqk buffer is [HV, R, 64] (the packed
     tile) and γ's rows GAM_PITCH_PACK floats; without it the keys and buffers are as before; the clock diagnostic
-    keeps the unpacked scratch (its slots follow γ's rows). Each kernel refuses pack without u in stage 2."""
+    keeps the packing (its slots follow γ's packed rows). Each kernel refuses pack without u in stage 2."""
     pytest.importorskip("cutlass")
     from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
     from cula.kernels.sm90 import kda_fwd_recur as recur
@@ -1410,7 +1410,7 @@ def test_host_path_pack(monkeypatch):
     calls.clear()
     monkeypatch.setattr(intra_tc, "DIAG", ("clock",))
     kda_fwd.kda_fwd(*args, **kw)
-    assert all("pack" not in dict(key[0]) for _, key, _, _ in calls)
+    assert all(dict(key[0])["pack"] is True for _, key, _, _ in calls)
     flags = dict(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True, allow_neg_eigval=False,
                  group=1)
     with pytest.raises(ValueError, match="CULA_KDA_PACK"):

@@ -332,7 +332,7 @@ CORE_SCENARIOS = ("default", "u_in_recur", "split", "split_u", "suites", "checks
                   "unpacked_split", "w_in_checks", "w_in_pack_checks", "w_in_split", "ctas2_pack_checks",
                   "ctas2_split", "suites_ctas2", "unpacked_checks", "ctas2_unpacked_checks", "diag_no_qkx",
                   "widen_cvt_checks", "kgt_kh_checks", "s36_split",
-                  "gate_square_checks", "gate_square_split")
+                  "gate_square_checks", "gate_square_split", "diag_clock")
 
 
 def main(argv: list[str]) -> int:

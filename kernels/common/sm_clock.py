@@ -1,4 +1,4 @@
-"""An SM's cycle counter and id from a CuTe DSL kernel (``%clock64``, ``%smid``), for in-kernel phase timing.
+"""An SM's cycle counter and id from a CuTe DSL kernel (``%clock64``, ``%clock``, ``%smid``), for in-kernel phase timing.
 
 ``%clock64`` counts the cycles of the SM the reading warp runs on: differences are exact within one CTA, and
 comparable between the CTAs of one SM (not across SMs). The read is volatile inline PTX, so it keeps its place
@@ -17,6 +17,14 @@ from cula.kernels.common.inline_ptx import ptx
 def clock64(*, loc=None, ip=None) -> cutlass.Int64:
     """The SM's cycle counter now."""
     return cutlass.Int64(ptx(cutlass.Int64.mlir_type, [], "mov.u64 $0, %clock64;", "=l", loc=loc, ip=ip))
+
+
+@dsl_user_op
+def clock32(*, loc=None, ip=None) -> cutlass.Int32:
+    """The low 32 bits of the SM's cycle counter now (``%clock``): half the registers of :func:`clock64` for
+    a kernel that keeps many stamps; differences wrap modulo 2^32 (~2 s at 1.98 GHz), so they unwrap exactly
+    for spans shorter than that."""
+    return cutlass.Int32(ptx(cutlass.Int32.mlir_type, [], "mov.u32 $0, %clock;", "=r", loc=loc, ip=ip))
 
 
 @dsl_user_op

@@ -318,6 +318,12 @@ for s in $steps; do
         mode_splits clock_split default clock
         step clock_n20 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --T 4096 --dist uniform --n 20
         step clock_no_qg_kgt 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384 --diag no_qg_kgt ;;
+    s38_clock)  # session 38: the clock at the three-CTA default (32-bit stamps fit there): which phases bound a
+        # chunk at B2 T16384 (packed) and n20 T4096 (unpacked), then the clock build against the default twice in
+        # turn (what the stamps cost) (~150 s; AOT diag_clock)
+        step clock3_b2 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384
+        step clock3_n20 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --T 4096 --dist uniform --n 20
+        mode_splits clock3_split default clock default clock ;;
     fused_premise)  # session 25: stage 1 without its scratch stores (qg / kgT, w, Aqk | T'), at two CTAs per SM and
         # at one, against the default and one_cta, twice in turn (<= 200 s; AOT diag_one_cta, diag_no_stores,
         # diag_one_cta_no_stores): one CTA per SM without stores is a fused kernel's stage 1 beside its recurrence

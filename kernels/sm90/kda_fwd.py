@@ -70,8 +70,8 @@ U_IN_RECUR = __import__("os").environ.get("CULA_KDA_U_IN_RECUR", "1") == "1"
 #: stage 2 -8.6%, both stages -3.0% at B2 T16384; on the varlen n20 T4096 rows (3-4 chunks a sequence, stage 2's
 #: two-stage ring with the state buffer) stage 2 -1 to -3% and stage 1 +1 to +2% (its T' scatter), both -1 to
 #: +0.5%: so by default where sequences average more than PACK_ABOVE_CHUNKS chunks, the lengths whose stage 2
-#: runs three stages (recur.STATE_SMEM_MAX_CHUNKS; use_pack). Not with the clock diagnostic (its slots follow γ's
-#: unpacked rows). ``CULA_KDA_PACK=1`` / ``=0`` forces it on / off.
+#: runs three stages (recur.STATE_SMEM_MAX_CHUNKS; use_pack); with the clock diagnostic too (its slots follow γ's
+#: packed rows since session 38). ``CULA_KDA_PACK=1`` / ``=0`` forces it on / off.
 PACK = __import__("os").environ.get("CULA_KDA_PACK")
 #: "w in stage 2" (session 32, with U_IN_RECUR): stage 1 stores -X = -(k̂ 2^Γ) (the w product's B operand) instead
 #: of -w = T'(-X), straight from its operand tile as soon as phase 2 has formed it, and drops the w product and its
@@ -609,7 +609,7 @@ def kda_fwd(
     tc_v2 = kind == "tc" and recur.RECUR_VARIANT == "v2" and not identity_response
     # u in stage 2 (U_IN_RECUR): the Aqk rows get T' beside them, w is stored negated, u is not formed
     u_split = U_IN_RECUR and tc_v2 and not fla_factors
-    pack = u_split and use_pack(N, NC) and not _stage1_clock()
+    pack = u_split and use_pack(N, NC)
     x_split = u_split and W_IN_RECUR  # w in stage 2: the w buffer holds -X
     w = torch.empty(HV, R, K, dtype=bf16, device=dev)
     u = None if u_split else torch.empty(HV, R, V, dtype=bf16, device=dev)
@@ -621,7 +621,7 @@ def kda_fwd(
     aqk = aqk_tp[..., :CHUNK]
     kgt = torch.empty(HV, K, R, dtype=bf16, device=dev)
     if kind == "tc" and "intra" in stages and _stage1_clock():
-        gam = _clock_buffer(HV, NC, K, chunks, dev)
+        gam = _clock_buffer(HV, NC, recur.GAM_PITCH_PACK if pack else K, chunks, dev)
     else:
         gam = torch.empty(HV, NC, recur.GAM_PITCH_PACK if pack else K, dtype=torch.float32, device=dev)
     dummy = _dummy(dev)
@@ -706,7 +706,8 @@ def kda_fwd(
             tc_flags.update(widen=intra_tc.WIDEN)
         if intra_tc.KGT != intra_tc.KGT_MODES[0] and block != intra_tc.SUB:
             tc_flags.update(kgt=intra_tc.KGT)
-        if intra_tc.CTAS != intra_tc.CTAS_MODES[0] and x_split and block != intra_tc.SUB and not intra_tc.DIAG:
+        if (intra_tc.CTAS != intra_tc.CTAS_MODES[0] and x_split and block != intra_tc.SUB
+                and set(intra_tc.DIAG) <= {"clock"}):
             tc_flags.update(ctas=intra_tc.CTAS)  # three CTAs an SM: only this stage 1 leaves the tiles to drop
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
             if set(intra_tc.DIAG) - set(intra_tc.SAME_OUTPUT_DIAGS):
@@ -826,7 +827,7 @@ def _fwd_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_state, c
     return o.reshape(B, T, HV, V), ht
 
 
-#: The ``clock`` diagnostic's last stamps (kda_fwd_intra_tc.CLOCK_STAMPS): (int64 [HV, NC, CLOCK_SLOTS], the chunk
+#: The ``clock`` diagnostic's last stamps (kda_fwd_intra_tc.CLOCK_STAMPS): (int32 [HV, NC, CLOCK_SLOTS], the chunk
 #: table [NC, 2] of that call); rows of dummy chunks (nvalid 0) stay zero. None until a call runs with it.
 LAST_CLOCKS: tuple | None = None
 
@@ -838,16 +839,16 @@ def _stage1_clock() -> bool:
     return "clock" in intra_tc.DIAG
 
 
-def _clock_buffer(HV: int, NC: int, K: int, chunks: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """γ's [HV, NC, K] fp32 with the clock diagnostic's zeroed stamps after it (where stage 1 writes them);
-    the stamps are kept in ``LAST_CLOCKS``."""
+def _clock_buffer(HV: int, NC: int, pitch: int, chunks: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """γ's [HV, NC, pitch] fp32 (pitch: K, or recur.GAM_PITCH_PACK packed) with the clock diagnostic's zeroed
+    int32 stamps after it (where stage 1 writes them); the stamps are kept in ``LAST_CLOCKS``."""
     from cula.kernels.sm90.kda_fwd_intra_tc import CLOCK_SLOTS
 
     global LAST_CLOCKS
-    n = HV * NC * K
-    buf = torch.empty(n + HV * NC * 2 * CLOCK_SLOTS, dtype=torch.float32, device=dev)
-    LAST_CLOCKS = (buf[n:].view(torch.int64).view(HV, NC, CLOCK_SLOTS).zero_(), chunks)
-    return buf[:n].view(HV, NC, K)
+    n = HV * NC * pitch
+    buf = torch.empty(n + HV * NC * CLOCK_SLOTS, dtype=torch.float32, device=dev)
+    LAST_CLOCKS = (buf[n:].view(torch.int32).view(HV, NC, CLOCK_SLOTS).zero_(), chunks)
+    return buf[:n].view(HV, NC, pitch)
 
 
 _SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}

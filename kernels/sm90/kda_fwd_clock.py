@@ -14,9 +14,12 @@ after each phase's CTA barrier (``STAMP_NAMES``) and stores the stamps and its S
 - whether the CTAs of an SM run in step: through what share of a CTA's wait for its loads another CTA there works
   or waits too, and how far apart (as a share of the median life) CTAs start from the one already resident.
 
-Two cautions. The stamps cost ~60 instructions and change ptxas's schedule a little (208 registers instead of
-225), so the device step also times the clock build against the default (``device_round.sh clock``). And the
-counter is per SM: stamps of CTAs on different SMs are not comparable, only their differences.
+Two cautions. The stamps cost ~60 instructions and change ptxas's schedule a little (session 24: 208 registers
+instead of 225 at two CTAs an SM), so the device step also times the clock build against the default
+(``device_round.sh clock``). And the counter is per SM: stamps of CTAs on different SMs are not comparable, only
+their differences. The kernel keeps the counter's low 32 bits (since session 38: with 64-bit stamps the three-CTA
+build spilled); :func:`unwrap` restores them per SM. The build is the default one (three CTAs an SM, packed where
+the default packs) plus the stamps.
 """
 
 from __future__ import annotations
@@ -46,6 +49,24 @@ SPAN_WHAT = {
     "phase6": "w staged",
     "end": "w store issued, smem read out",
 }
+
+
+def unwrap(raw: np.ndarray) -> np.ndarray:
+    """int64 stamps from the kernel's int32 slots [chunks, CLOCK_SLOTS] (the low 32 bits of each SM's counter;
+    the last slot is the SM id, kept). Per SM, each stamp is taken as the one nearest the SM's first stamp
+    modulo 2^32: exact while an SM's stamps span less than 2^31 cycles (~1 s), which one launch does."""
+    raw = np.asarray(raw)
+    out = raw.astype(np.int64)
+    if raw.size == 0:
+        return out
+    low = raw[:, :-1].astype(np.int64) & 0xFFFFFFFF
+    sm = raw[:, -1]
+    for s in np.unique(sm):
+        rows = sm == s
+        ref = low[rows][0, 0]
+        d = (low[rows] - ref) & 0xFFFFFFFF
+        out[rows, :-1] = ref + np.where(d >= 1 << 31, d - (1 << 32), d)
+    return out
 
 
 def phase_rows(stamps: np.ndarray) -> list[tuple[str, float, float, float, float]]:
@@ -162,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.cuda.synchronize()
     clocks, chunks = kda_fwd.LAST_CLOCKS
     real = (chunks[:, 1] > 0).cpu().numpy()
-    stamps = clocks.cpu().numpy()[:, real, :].reshape(-1, clocks.shape[-1])
+    stamps = unwrap(clocks.cpu().numpy()[:, real, :].reshape(-1, clocks.shape[-1]))
     label = (f"B{args[0].shape[0]} T{a.T} H{a.H}" + (f" {a.dist} n{a.n}" if a.dist else "")
              + (", one CTA per SM" if a.one_cta else "") + (f", {a.diag}" if a.diag else ""))
     print(report(stamps, stamps[:, -1], label), flush=True)

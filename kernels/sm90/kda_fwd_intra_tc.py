@@ -55,7 +55,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cula.kernels.common.bf16_widen import WIDEN_MODES, widen_bf16
 from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
-from cula.kernels.common.sm_clock import clock64, smid
+from cula.kernels.common.sm_clock import clock32, smid
 from cula.kernels.common.wgmma_frag import a_operand_layout
 from cula.kernels.sm90.kda_fwd_clock import STAMP_NAMES as CLOCK_STAMPS
 from cula.kernels.sm90.kda_fwd_recur import GAM_PITCH_PACK
@@ -218,7 +218,7 @@ MAX_GRID_Y = 65535  # "head_rev" launches [HV, NC]: longer inputs keep "chunk" (
 #: of shared memory, so one CTA runs per SM instead of two (same code and values: only the warps per SM change;
 #: what a fused kernel with one stage-1 warpgroup per SM would keep of stage 1's throughput, kda_fwd_log.md session
 #: 23). A split per option against none says what each costs. ``clock`` (outputs right): the threads read the SM's
-#: cycle counter where each phase ends (after its CTA barrier); thread 0 stores CLOCK_SLOTS int64 per chunk after
+#: cycle counter where each phase ends (after its CTA barrier); thread 0 stores CLOCK_SLOTS int32 per chunk after
 #: γ's floats in the same buffer (kda_fwd.LAST_CLOCKS; ``python -m cula.kernels.sm90.kda_fwd_clock`` reads them):
 #: the phases' time per chunk, and from the SM ids how much of a CTA's life it shares its SM. ``no_tp_store``
 #: (``t_out``): T''s store alone skipped, Aqk's kept: 8 KB a chunk fewer written, what packing Aqk and T' into one
@@ -229,9 +229,10 @@ DIAG_OPTIONS = ("l2_loads", "no_qg_kgt", "no_wu_store", "no_aqk_store", "no_inve
 ONE_CTA_SMEM = 160 * 1024
 #: the diagnostics whose stage-1 outputs are right (kda_fwd warns for the others): one_cta changes only the warps per SM
 SAME_OUTPUT_DIAGS = ("one_cta", "clock")
-#: the ``clock`` diagnostic's int64 slots per chunk: the cycle counter at each stamp of CLOCK_STAMPS, in that order
-#: (the stamp after a step a build skips, e.g. the B' pass of 32-row factor blocks, follows at once), then the SM id
-CLOCK_SLOTS = 18  # even: thread 0 stores them 16 bytes at a time
+#: the ``clock`` diagnostic's int32 slots per chunk: the low 32 bits of the cycle counter at each stamp of
+#: CLOCK_STAMPS, in that order (the stamp after a step a build skips, e.g. the B' pass of 32-row factor blocks,
+#: follows at once; kda_fwd_clock unwraps them), then the SM id in the last slot
+CLOCK_SLOTS = 20  # a multiple of 4: thread 0 stores them 16 bytes at a time
 assert len(CLOCK_STAMPS) < CLOCK_SLOTS
 #: the diagnostics that keep stage 1's values (all but no_v_u): what device_round's diag_split times one by one
 SAME_VALUE_DIAGS = tuple(d for d in DIAG_OPTIONS if d != "no_v_u")
@@ -310,8 +311,6 @@ class KdaFwdIntraTC:
         # (γ's 128, then 64 bf16). Stage 2 (KdaFwdRecur(pack=True)) reads the tile twice and masks each copy.
         if pack and not t_out:
             raise ValueError("pack (CULA_KDA_PACK): needs t_out (u in stage 2), got t_out=False")
-        if pack and "clock" in diag:
-            raise ValueError("pack (CULA_KDA_PACK): the clock diagnostic's slots assume γ's unpacked pitch")
         self.pack = pack
         # "w in stage 2" (kda_fwd.W_IN_RECUR, t_out only): no w = T'(-X) product; the -X tile itself leaves by TMA
         # into the w buffer as soon as phase 2 has formed it, and stage 2 (KdaFwdRecur(x_in=True)) forms
@@ -322,9 +321,11 @@ class KdaFwdIntraTC:
         # CTAs per SM (CTAS): 3 drops the X, v and 48-row B' tiles, which only x_out with 32-row blocks leaves dead
         if ctas not in CTAS_MODES:
             raise ValueError(f"ctas (CULA_KDA_TC_CTAS): expected one of {CTAS_MODES}, got {ctas!r}")
-        if ctas != CTAS_MODES[0] and not (x_out and factor_block != SUB and not diag):
+        # (the clock's stamps fit beside it since they are 32-bit: 18 int64 ones spilled 56 bytes, session 37)
+        if ctas != CTAS_MODES[0] and not (x_out and factor_block != SUB and set(diag) <= {"clock"}):
             raise ValueError(f"ctas (CULA_KDA_TC_CTAS) = {ctas}: needs x_out (w in stage 2), 32-row factor blocks "
-                             f"and no diagnostics, got x_out={x_out}, factor_block={factor_block}, diag={tuple(diag)}")
+                             f"and no diagnostic but clock, got x_out={x_out}, factor_block={factor_block}, "
+                             f"diag={tuple(diag)}")
         self.ctas = ctas
         self.lean_smem = ctas != CTAS_MODES[0]  # no X, v or 48-row B' tile; g lands in K̃'s
         # no v loads, prefetches or tile and no u product or store: t_out, or the diagnostic that times it
@@ -613,7 +614,7 @@ class KdaFwdIntraTC:
         """``clock`` diagnostic: the SM's cycle counter as stamp ``name`` (CLOCK_STAMPS). Every thread reads it (no
         branch to split the code around the stamp: it would change how ptxas schedules it); thread 0 stores them."""
         if cutlass.const_expr(self.clock):
-            ts[CLOCK_STAMPS.index(name)] = clock64()
+            ts[CLOCK_STAMPS.index(name)] = clock32()
 
     @cute.jit
     def prefetch_later_chunk(self, pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pG: cute.Pointer,
@@ -784,7 +785,7 @@ class KdaFwdIntraTC:
         tidx, _, _ = cute.arch.thread_idx()
         ts = None  # the clock diagnostic's stamps (thread 0's registers)
         if cutlass.const_expr(self.clock):
-            ts = cute.make_rmem_tensor(cute.make_layout(CLOCK_SLOTS), cutlass.Int64)
+            ts = cute.make_rmem_tensor(cute.make_layout(CLOCK_SLOTS), cutlass.Int32)
             ts.fill(0)
         self.stamp(ts, "entry", tidx)
         chunk, hv = self.my_coords(HV, NC)
@@ -1403,9 +1404,10 @@ class KdaFwdIntraTC:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
         if cutlass.const_expr(self.clock):
             self.stamp(ts, "end", tidx)
-            if tidx == 0:  # after γ's [HV, NC, 128] floats: CLOCK_SLOTS int64 per (head, chunk)
-                ts[CLOCK_SLOTS - 1] = smid().to(cutlass.Int64)
-                base = cute.recast_ptr(pGam, dtype=cutlass.Int64) + (HV * NC * DK) // 2
+            if tidx == 0:  # after γ's [HV, NC, pitch] floats: CLOCK_SLOTS int32 per (head, chunk)
+                ts[CLOCK_SLOTS - 1] = smid()
+                gp = GAM_PITCH_PACK if cutlass.const_expr(self.pack) else DK
+                base = cute.recast_ptr(pGam, dtype=cutlass.Int32) + HV * NC * gp
                 cute.autovec_copy(ts, _vec(base, (hv * NC + chunk) * CLOCK_SLOTS, CLOCK_SLOTS))
 
     @cute.jit
@@ -1840,6 +1842,11 @@ def compile_targets():
                                                 x_out=True, ctas=3, widen="cvt", kgt="kh"),
         # phase timestamps (kda_fwd_clock): the default stage 1 with thread 0 reading the SM's cycle counter
         "t_out_clock": build(cutlass.BFloat16, **full, t_out=True, diag=("clock",)),
+        # ... and the three-CTA defaults with it (32-bit stamps, session 38), unpacked and packed
+        "t_out_block32_x_ctas3_clock": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, x_out=True,
+                                             ctas=3, diag=("clock",)),
+        "t_out_block32_pack_x_ctas3_clock": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
+                                                  x_out=True, ctas=3, diag=("clock",)),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
         "log_gate": build(cutlass.Float32, **{**full, "has_a_log": False, "has_dt_bias": False}, log_gate=True),
     }
