@@ -123,19 +123,22 @@ def test_host_path_puts_the_stamps_after_gamma(monkeypatch, pack):
     assert {k: v for k, v in flags.items() if k != "diag"} == default  # the default build plus the stamps
 
 
-def test_clock_ptx_reads_the_counter_at_every_stamp():
+@pytest.mark.parametrize("target", ["intra_tc_t_out_clock", "intra_tc_t_out_block32_x_ctas3_clock",
+                                    "intra_tc_t_out_block32_pack_x_ctas3_clock"])
+def test_clock_ptx_reads_the_counter_at_every_stamp(target):
+    """The two-CTA build and the three-CTA defaults (unpacked, packed) with the clock: 32-bit counter reads, thread
+    0's slots in 16-byte stores, no spills; the default has no reads."""
     pytest.importorskip("cutlass")
     from cula.kernels.common.ptx_check import ptx_report
     from cula.kernels.sm90.kda_fwd_intra_tc import CLOCK_SLOTS
 
     assert CLOCK_SLOTS % 4 == 0 and CLOCK_SLOTS > len(STAMP_NAMES)
-    for target in ("t_out_clock", "t_out_block32_x_ctas3_clock", "t_out_block32_pack_x_ctas3_clock"):
-        rep = ptx_report("cula.kernels.sm90.kda_fwd", f"intra_tc_{target}")
-        # at least one read a stamp (the optimizer may copy a read into both arms of a branch: 18 at three CTAs)
-        assert rep.ptx.count("%clock;") >= len(STAMP_NAMES) and rep.ptx.count("%smid") == 1, target
-        assert "%clock64" not in rep.ptx
-        assert rep.ptx.count("st.global.v4.u32") == CLOCK_SLOTS // 4, target  # thread 0's, 16 bytes at a time
-        assert rep.spill_bytes == 0, target  # 64-bit stamps spilled 56 bytes at three CTAs (session 37)
+    rep = ptx_report("cula.kernels.sm90.kda_fwd", target)
+    # at least one read a stamp (the optimizer may copy a read into both arms of a branch: 18 at three CTAs)
+    assert rep.ptx.count("%clock;") >= len(STAMP_NAMES) and rep.ptx.count("%smid") == 1
+    assert "%clock64" not in rep.ptx
+    assert rep.ptx.count("st.global.v4.u32") == CLOCK_SLOTS // 4  # thread 0's, 16 bytes at a time
+    assert rep.spill_bytes == 0  # 64-bit stamps spilled 56 bytes at three CTAs (session 37)
     base = ptx_report("cula.kernels.sm90.kda_fwd", "intra_tc_t_out_block32_pack_x_ctas3")
     assert "%clock" not in base.ptx and "%smid" not in base.ptx
 
