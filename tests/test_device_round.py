@@ -77,6 +77,16 @@ def test_s38_clock_stamps_both_packings_then_times_the_stamps(tmp_path):
     assert "diag_clock" in aot_build.CORE_SCENARIOS
 
 
+def test_s38_raw_times_the_stores_at_three_ctas(tmp_path):
+    from cula.kernels.common import aot_build
+
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "s38_raw")
+    assert len(cmds) == 6 and all("--split worst" in c for c in cmds)
+    diags = [c.split("CULA_KDA_TC_DIAG=")[1].split()[0] if "CULA_KDA_TC_DIAG=" in c else "" for c in cmds]
+    assert diags == ["", "no_qg_kgt,no_wu_store", "no_qg_kgt,no_wu_store,no_aqk_store"] * 2
+    assert {"diag_no_qkx", "diag_no_stores"} <= set(aot_build.CORE_SCENARIOS)
+
+
 def test_block32_checks_name_real_cases_then_splits(tmp_path):
     from cula.kernels.sm90.kda_fwd_check import CASES
 

@@ -161,19 +161,59 @@ def test_suite_call_is_the_split_rows_launch(monkeypatch):
     assert [c[1] in have for c in calls if c[0] == "intra_tc"] == [True]
 
 
-def test_three_ctas_take_the_clock_and_no_other_diagnostic():
-    """Three CTAs an SM take the clock (its 32-bit stamps fit) but refuse the diagnostics that change the work or
-    the shared memory, naming the argument."""
+def test_three_ctas_take_the_clock_and_the_skipped_stores_only():
+    """Three CTAs an SM take the clock (its 32-bit stamps fit) and the skipped stores, packed or not, but refuse
+    the diagnostics that change the work or the shared memory, naming the argument; kda_fwd keeps three CTAs for
+    the first kind (before session 38 any diagnostic silently ran the two-CTA build)."""
     pytest.importorskip("cutlass")
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
     from cula.kernels.sm90.kda_fwd_intra_tc import KdaFwdIntraTC
 
     flags = dict(use_qk_l2norm=True, has_a_log=True, has_dt_bias=True, use_beta_sigmoid=True, allow_neg_eigval=False,
                  group=1, t_out=True, factor_block=32, x_out=True, ctas=3)
     assert KdaFwdIntraTC(**flags, diag=("clock",)).clock
     assert KdaFwdIntraTC(**flags, pack=True, diag=("clock",)).pack
-    for diag in (("one_cta",), ("clock", "no_qg_kgt")):
+    assert set(intra_tc.CTAS3_DIAGS) == {"clock", "no_qg_kgt", "no_wu_store", "no_aqk_store"}
+    for pack in (False, True):
+        KdaFwdIntraTC(**flags, pack=pack, diag=intra_tc.CTAS3_DIAGS)
+    for diag in (("one_cta",), ("clock", "no_inverse"), ("l2_loads",), ("no_tp_store",)):
         with pytest.raises(ValueError, match=r"ctas \(CULA_KDA_TC_CTAS\) = 3.*no diagnostic but clock"):
             KdaFwdIntraTC(**flags, diag=diag)
+
+
+@pytest.mark.parametrize("diag, ctas3", [(("no_qg_kgt", "no_wu_store"), True), (("one_cta",), False),
+                                         (("clock", "no_aqk_store"), True), (("no_inverse",), False)])
+def test_host_path_keeps_three_ctas_under_the_diagnostics_it_takes(monkeypatch, diag, ctas3):
+    pytest.importorskip("cutlass")
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+    from cula.kernels.sm90.kda_fwd_profile import suite_call
+
+    calls = record_kda_launches(monkeypatch)
+    monkeypatch.setattr(intra_tc, "DIAG", diag)
+    monkeypatch.setattr(kda_fwd, "LAST_CLOCKS", None)
+    args, kw = suite_call(2, 1024, 2, dev="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kda_fwd.kda_fwd(*args, **kw, stages=("intra",))
+    (kind, key, _, _), = [c for c in calls if c[0] == "intra_tc"]
+    flags = dict(key[0])
+    assert flags["diag"] == diag and (flags.get("ctas") == intra_tc.CTAS) == ctas3 and intra_tc.CTAS == 3
+
+
+@pytest.mark.parametrize("target, base", [
+    ("intra_tc_t_out_block32_x_ctas3_no_stores", "intra_tc_t_out_block32_x_ctas3"),
+    ("intra_tc_t_out_block32_pack_x_ctas3_no_stores", "intra_tc_t_out_block32_pack_x_ctas3")])
+def test_three_cta_no_stores_builds_fit_without_spills(target, base):
+    """The skipped stores sit behind a run-time condition, so the values are formed as in the default: the same
+    register budget, no spills, and every global store of the default still in the code."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common.ptx_check import ptx_report
+
+    rep, ref = ptx_report("cula.kernels.sm90.kda_fwd", target), ptx_report("cula.kernels.sm90.kda_fwd", base)
+    assert rep.spill_bytes == 0 and rep.max_registers <= 168
+    assert rep.ptx.count("st.global") == ref.ptx.count("st.global") > 0
+    assert rep.ptx.count("cp.async.bulk.tensor") == ref.ptx.count("cp.async.bulk.tensor") > 0
+    assert rep.ptx != ref.ptx
 
 
 @pytest.mark.gpu

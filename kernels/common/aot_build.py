@@ -327,12 +327,13 @@ def default_jobs() -> int:
 #: What a plain build compiles: the scenarios of the steps in docs/DEVICE.md's queue (the checks, suites and training
 #: path at the defaults, the split rows, two CTAs, both packings). The others serve steps of past experiments: build
 #: them with ``--all``, or one step's with ``--scenarios``, before such a step (on the device a missing module
-#: compiles instead, ~40 s a flag set). 91 modules (session 37): ~6 min on 2 cores instead of 14-18 for all.
+#: compiles instead, ~40 s a flag set). 95 modules (session 38): ~7.5 min on 2 cores instead of 14-18 for all.
 CORE_SCENARIOS = ("default", "u_in_recur", "split", "split_u", "suites", "checks", "train", "pack_checks", "pack_split",
                   "unpacked_split", "w_in_checks", "w_in_pack_checks", "w_in_split", "ctas2_pack_checks",
                   "ctas2_split", "suites_ctas2", "unpacked_checks", "ctas2_unpacked_checks", "diag_no_qkx",
                   "widen_cvt_checks", "kgt_kh_checks", "s36_split",
-                  "gate_square_checks", "gate_square_split", "diag_clock")
+                  "gate_square_checks", "gate_square_split", "diag_clock",
+                  "diag_no_stores")
 
 
 def main(argv: list[str]) -> int:

@@ -324,6 +324,11 @@ for s in $steps; do
         step clock3_b2 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384
         step clock3_n20 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --T 4096 --dist uniform --n 20
         mode_splits clock3_split default clock default clock ;;
+    s38_raw)  # session 38: stage 1 at the three-CTA default without its qg / kgT and -X stores (no_qkx), and without
+        # every scratch store (no_stores), against the default, twice in turn. Session 36's raw_premise ran these at
+        # two CTAs (any diagnostic took the two-CTA build then) against the default at three (~110 s; AOT diag_no_qkx,
+        # diag_no_stores)
+        mode_splits raw3_split default no_qkx no_stores default no_qkx no_stores ;;
     fused_premise)  # session 25: stage 1 without its scratch stores (qg / kgT, w, Aqk | T'), at two CTAs per SM and
         # at one, against the default and one_cta, twice in turn (<= 200 s; AOT diag_one_cta, diag_no_stores,
         # diag_one_cta_no_stores): one CTA per SM without stores is a fused kernel's stage 1 beside its recurrence

@@ -707,7 +707,7 @@ def kda_fwd(
         if intra_tc.KGT != intra_tc.KGT_MODES[0] and block != intra_tc.SUB:
             tc_flags.update(kgt=intra_tc.KGT)
         if (intra_tc.CTAS != intra_tc.CTAS_MODES[0] and x_split and block != intra_tc.SUB
-                and set(intra_tc.DIAG) <= {"clock"}):
+                and set(intra_tc.DIAG) <= set(intra_tc.CTAS3_DIAGS)):
             tc_flags.update(ctas=intra_tc.CTAS)  # three CTAs an SM: only this stage 1 leaves the tiles to drop
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
             if set(intra_tc.DIAG) - set(intra_tc.SAME_OUTPUT_DIAGS):

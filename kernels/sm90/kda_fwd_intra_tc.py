@@ -234,6 +234,10 @@ SAME_OUTPUT_DIAGS = ("one_cta", "clock")
 #: follows at once; kda_fwd_clock unwraps them), then the SM id in the last slot
 CLOCK_SLOTS = 20  # a multiple of 4: thread 0 stores them 16 bytes at a time
 assert len(CLOCK_STAMPS) < CLOCK_SLOTS
+#: the diagnostics the three-CTA stage 1 takes (session 38; before it any diagnostic ran the two-CTA build, so
+#: session 36's raw_premise timed the stores' absence at two CTAs against the default at three): the clock (its
+#: 32-bit stamps fit) and the skipped stores (the −X rows' register stores too), no spills in any of them
+CTAS3_DIAGS = ("clock", "no_qg_kgt", "no_wu_store", "no_aqk_store")
 #: the diagnostics that keep stage 1's values (all but no_v_u): what device_round's diag_split times one by one
 SAME_VALUE_DIAGS = tuple(d for d in DIAG_OPTIONS if d != "no_v_u")
 DIAG = tuple(x for x in __import__("os").environ.get("CULA_KDA_TC_DIAG", "").split(",") if x)
@@ -321,11 +325,11 @@ class KdaFwdIntraTC:
         # CTAs per SM (CTAS): 3 drops the X, v and 48-row B' tiles, which only x_out with 32-row blocks leaves dead
         if ctas not in CTAS_MODES:
             raise ValueError(f"ctas (CULA_KDA_TC_CTAS): expected one of {CTAS_MODES}, got {ctas!r}")
-        # (the clock's stamps fit beside it since they are 32-bit: 18 int64 ones spilled 56 bytes, session 37)
-        if ctas != CTAS_MODES[0] and not (x_out and factor_block != SUB and set(diag) <= {"clock"}):
+        # and of the diagnostics only those that keep its tiles and registers (CTAS3_DIAGS)
+        if ctas != CTAS_MODES[0] and not (x_out and factor_block != SUB and set(diag) <= set(CTAS3_DIAGS)):
             raise ValueError(f"ctas (CULA_KDA_TC_CTAS) = {ctas}: needs x_out (w in stage 2), 32-row factor blocks "
-                             f"and no diagnostic but clock, got x_out={x_out}, factor_block={factor_block}, "
-                             f"diag={tuple(diag)}")
+                             f"and no diagnostic but {', '.join(CTAS3_DIAGS)}, got x_out={x_out}, "
+                             f"factor_block={factor_block}, diag={tuple(diag)}")
         self.ctas = ctas
         self.lean_smem = ctas != CTAS_MODES[0]  # no X, v or 48-row B' tile; g lands in K̃'s
         # no v loads, prefetches or tile and no u product or store: t_out, or the diagnostic that times it
@@ -608,6 +612,16 @@ class KdaFwdIntraTC:
                 else:
                     cute.copy(tma, ts_t[None, 0], tg_t[None, chunk])
                 cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def store_x_row(self, x_head: cute.Pointer, offset, obf: cute.Tensor, scale: cutlass.Float32):
+        """Three CTAs an SM: eight bf16 of a −X row straight to the w rows (under ``no_wu_store`` behind a
+        condition false at run time, the values still formed, as the tile stores are)."""
+        if cutlass.const_expr("no_wu_store" in self.diag):
+            if scale < F32(0.0):  # never (timing only)
+                _vec(x_head, offset, COLS_PER_THREAD).store(obf.load())
+        else:
+            _vec(x_head, offset, COLS_PER_THREAD).store(obf.load())
 
     @cute.jit
     def stamp(self, ts, name: cutlass.Constexpr, tidx):
@@ -1187,7 +1201,7 @@ class KdaFwdIntraTC:
             _st8(kt_layout, kt_raw, (r, d0, 0), obf)
             if cutlass.const_expr(self.lean_smem and not self.pack):  # -X to the w rows (below, this tile spilled 8 B)
                 obf.store(xx.load().to(BF16))
-                _vec(x_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
+                self.store_x_row(x_head, r * DK + d0, obf, scale)
             if cutlass.const_expr(fbk == SUB):
                 if warp < NBLK - 1:  # K̂ of block 3 is never a B operand
                     obf.store(kh.load().to(BF16))
@@ -1198,7 +1212,7 @@ class KdaFwdIntraTC:
                     _st8(kb2_layout, kb_raws[1], (r, d0, 0), obf)
             if cutlass.const_expr(self.lean_smem and self.pack):  # -X to the w rows (above, this tile spilled 40 B)
                 obf.store(xx.load().to(BF16))
-                _vec(x_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
+                self.store_x_row(x_head, r * DK + d0, obf, scale)
             elif cutlass.const_expr(not self.lean_smem):
                 obf.store(xx.load().to(BF16))
                 _st8(x_layout, x_raw, (d0, r, 0), obf)
@@ -1338,7 +1352,8 @@ class KdaFwdIntraTC:
         self.stamp(ts, "t_prime", tidx)
         if cutlass.const_expr(self.pack):
             # the packed tile (Aqk, T' transposed above the diagonal) leaves while phase 5 runs
-            self.store_tile(tma_aqk, tAqk, sAqk, hv, (CHUNK, CHUNK), (None, 0), chunk, False, scale, warp, lane)
+            self.store_tile(tma_aqk, tAqk, sAqk, hv, (CHUNK, CHUNK), (None, 0), chunk, "no_aqk_store" in self.diag,
+                            scale, warp, lane)  # (no_aqk_store skipped nothing here before session 38)
         elif cutlass.const_expr(self.t_out):
             # T' leaves for stage 2 (columns 64-127 of the Aqk rows) while phase 5 reads the same tile
             # (the Aqk staging layout is T''s operand layout: kda_fwd_intra_tc.layout_facts)
@@ -1847,6 +1862,12 @@ def compile_targets():
                                              ctas=3, diag=("clock",)),
         "t_out_block32_pack_x_ctas3_clock": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
                                                   x_out=True, ctas=3, diag=("clock",)),
+        # the three-CTA defaults without their scratch stores (session 38: diagnostics ran at two CTAs before)
+        "t_out_block32_x_ctas3_no_stores": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, x_out=True,
+                                                 ctas=3, diag=("no_qg_kgt", "no_wu_store", "no_aqk_store")),
+        "t_out_block32_pack_x_ctas3_no_stores": build(cutlass.BFloat16, **full, t_out=True, factor_block=32,
+                                                      pack=True, x_out=True, ctas=3,
+                                                      diag=("no_qg_kgt", "no_wu_store", "no_aqk_store")),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
         "log_gate": build(cutlass.Float32, **{**full, "has_a_log": False, "has_dt_bias": False}, log_gate=True),
     }
