@@ -192,12 +192,15 @@ def test_host_path_keeps_three_ctas_under_the_diagnostics_it_takes(monkeypatch, 
     monkeypatch.setattr(intra_tc, "DIAG", diag)
     monkeypatch.setattr(kda_fwd, "LAST_CLOCKS", None)
     args, kw = suite_call(2, 1024, 2, dev="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         kda_fwd.kda_fwd(*args, **kw, stages=("intra",))
     (kind, key, _, _), = [c for c in calls if c[0] == "intra_tc"]
     flags = dict(key[0])
     assert flags["diag"] == diag and (flags.get("ctas") == intra_tc.CTAS) == ctas3 and intra_tc.CTAS == 3
+    # a diagnostic that takes the two-CTA build says so, and what to time it against
+    two = [str(w.message) for w in caught if "CTAs an SM, not the default's 3" in str(w.message)]
+    assert len(two) == (0 if ctas3 else 1) and all("CULA_KDA_TC_CTAS=2" in m for m in two)
 
 
 @pytest.mark.parametrize("target, base", [

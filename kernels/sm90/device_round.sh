@@ -287,7 +287,9 @@ for s in $steps; do
         done ;;
     diag_split)  # session 15: what part of stage 1's time is memory (CULA_KDA_TC_DIAG: outputs wrong, timing only):
         # one split per diagnostic against none, none again at the end, on the default (u in stage 2's stage 1;
-        # each diagnostic is a module of .device/aot: scenarios diag_*, one per kda_fwd_intra_tc.SAME_VALUE_DIAGS)
+        # each diagnostic is a module of .device/aot: scenarios diag_*, one per kda_fwd_intra_tc.SAME_VALUE_DIAGS).
+        # Since session 38 the skipped stores run at the default's three CTAs; l2_loads, no_inverse, one_cta and
+        # no_tp_store at two (kda_fwd warns): read those against `mode_splits ... ctas2`, not against none
         diags=$(python3 -c "from cula.kernels.sm90.kda_fwd_intra_tc import SAME_VALUE_DIAGS as d; print(*d)")
         for d in none $diags none; do
             dv=$d; [ "$d" = none ] && dv=""
@@ -329,8 +331,8 @@ for s in $steps; do
         # two CTAs (any diagnostic took the two-CTA build then) against the default at three (~110 s; AOT diag_no_qkx,
         # diag_no_stores)
         mode_splits raw3_split default no_qkx no_stores default no_qkx no_stores ;;
-    fused_premise)  # session 25: stage 1 without its scratch stores (qg / kgT, w, Aqk | T'), at two CTAs per SM and
-        # at one, against the default and one_cta, twice in turn (<= 200 s; AOT diag_one_cta, diag_no_stores,
+    fused_premise)  # session 25: stage 1 without its scratch stores (qg / kgT, w, Aqk | T'), at two CTAs per SM (three
+        # since session 38: the default's) and at one, against the default and one_cta, twice in turn (<= 200 s; AOT diag_one_cta, diag_no_stores,
         # diag_one_cta_no_stores): one CTA per SM without stores is a fused kernel's stage 1 beside its recurrence
         mode_splits fused_split default one_cta no_stores one_cta_no_stores \
             default one_cta no_stores one_cta_no_stores ;;

@@ -706,9 +706,14 @@ def kda_fwd(
             tc_flags.update(widen=intra_tc.WIDEN)
         if intra_tc.KGT != intra_tc.KGT_MODES[0] and block != intra_tc.SUB:
             tc_flags.update(kgt=intra_tc.KGT)
-        if (intra_tc.CTAS != intra_tc.CTAS_MODES[0] and x_split and block != intra_tc.SUB
-                and set(intra_tc.DIAG) <= set(intra_tc.CTAS3_DIAGS)):
-            tc_flags.update(ctas=intra_tc.CTAS)  # three CTAs an SM: only this stage 1 leaves the tiles to drop
+        if intra_tc.CTAS != intra_tc.CTAS_MODES[0] and x_split and block != intra_tc.SUB:
+            if set(intra_tc.DIAG) <= set(intra_tc.CTAS3_DIAGS):
+                tc_flags.update(ctas=intra_tc.CTAS)  # three CTAs an SM: only this stage 1 leaves the tiles to drop
+            else:  # session 36 compared such a run with the default unawares
+                warnings.warn(f"CULA_KDA_TC_DIAG={','.join(intra_tc.DIAG)}: stage 1 runs at {intra_tc.CTAS_MODES[0]} "
+                              f"CTAs an SM, not the default's {intra_tc.CTAS} (the three-CTA build takes only "
+                              f"{', '.join(intra_tc.CTAS3_DIAGS)}): time it against CULA_KDA_TC_CTAS="
+                              f"{intra_tc.CTAS_MODES[0]}", RuntimeWarning, stacklevel=2)
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
             if set(intra_tc.DIAG) - set(intra_tc.SAME_OUTPUT_DIAGS):
                 warnings.warn(f"CULA_KDA_TC_DIAG={','.join(intra_tc.DIAG)}: stage 1's outputs are wrong (timing "
