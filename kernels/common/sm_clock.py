@@ -1,4 +1,4 @@
-"""An SM's cycle counter and id from a CuTe DSL kernel (``%clock64``, ``%clock``, ``%smid``), for in-kernel phase timing.
+"""An SM's cycle counter and id from a CuTe DSL kernel (``%clock64``, ``%clock``, ``%smid``), for phase timing.
 
 ``%clock64`` counts the cycles of the SM the reading warp runs on: differences are exact within one CTA, and
 comparable between the CTAs of one SM (not across SMs). The read is volatile inline PTX, so it keeps its place

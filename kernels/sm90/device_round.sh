@@ -331,9 +331,10 @@ for s in $steps; do
         # two CTAs (any diagnostic took the two-CTA build then) against the default at three (~110 s; AOT diag_no_qkx,
         # diag_no_stores)
         mode_splits raw3_split default no_qkx no_stores default no_qkx no_stores ;;
-    fused_premise)  # session 25: stage 1 without its scratch stores (qg / kgT, w, Aqk | T'), at two CTAs per SM (three
-        # since session 38: the default's) and at one, against the default and one_cta, twice in turn (<= 200 s; AOT diag_one_cta, diag_no_stores,
-        # diag_one_cta_no_stores): one CTA per SM without stores is a fused kernel's stage 1 beside its recurrence
+    fused_premise)  # session 25: stage 1 without its scratch stores (qg / kgT, w, Aqk | T'), at two CTAs per SM
+        # (three since session 38: the default's) and at one, against the default and one_cta, twice in turn (<= 200 s;
+        # AOT diag_one_cta, diag_no_stores, diag_one_cta_no_stores): one CTA per SM without stores is a fused
+        # kernel's stage 1 beside its recurrence
         mode_splits fused_split default one_cta no_stores one_cta_no_stores \
             default one_cta no_stores one_cta_no_stores ;;
     phase1)  # session 26: the lean phase 1 (the default: l2 sums by recursive halving, the gate's exponent as one

@@ -5,7 +5,7 @@
 
 Runs stage 1 alone with the `kda` suite's flags under the ``clock`` diagnostic (``CULA_KDA_TC_DIAG=clock``;
 ``--one-cta`` adds ``one_cta``: one CTA per SM instead of two; ``--diag`` adds other timing diagnostics, e.g.
-``no_qg_kgt``, to see which phases shrink without that work). Thread 0 of every CTA reads ``%clock64`` right
+``no_qg_kgt``, to see which phases shrink without that work). Thread 0 of every CTA reads ``%clock`` right
 after each phase's CTA barrier (``STAMP_NAMES``) and stores the stamps and its SM id. Printed:
 - per phase, the cycles since the stamp before it over the chunks (p10, median, p90) and the median's share of
   a chunk's median life: a phase that ends in a barrier includes the wait for its slowest warp;
