@@ -1311,7 +1311,7 @@ def test_ctas3_needs_the_w_in_recur_stage_1_and_fits_three_ctas_an_sm(monkeypatc
         wide = intra_tc.KdaFwdIntraTC(**full, pack=pack, x_out=True).storage_class().size_in_bytes()
         assert 3 * (lean + 1024) <= intra_tc.SMEM_PER_SM < 3 * (wide + 1024)
     for bad in (dict(full, pack=True), dict(full), dict(full, pack=True, x_out=True, factor_block=16),
-                dict(full, x_out=True, factor_block=16), dict(full, pack=True, x_out=True, diag=("no_qg_kgt",))):
+                dict(full, x_out=True, factor_block=16), dict(full, pack=True, x_out=True, diag=("no_inverse",))):
         with pytest.raises(ValueError, match="ctas"):
             intra_tc.KdaFwdIntraTC(**bad, ctas=3)
     with pytest.raises(ValueError, match="ctas"):
