@@ -87,6 +87,12 @@ def test_s38_raw_times_the_stores_at_three_ctas(tmp_path):
     assert {"diag_no_qkx", "diag_no_stores"} <= set(aot_build.CORE_SCENARIOS)
 
 
+def test_s38_is_the_gpu_tests_then_s38_raw_then_s38_clock(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H100 80GB HBM3", "s38")
+    assert "tests/test_kda_fwd_clock.py" in cmds[0] and "-m gpu" in cmds[0]
+    assert cmds[1:] == dry_run(tmp_path / "a", "NVIDIA H100 80GB HBM3", "s38_raw", "s38_clock")
+
+
 def test_block32_checks_name_real_cases_then_splits(tmp_path):
     from cula.kernels.sm90.kda_fwd_check import CASES
 
