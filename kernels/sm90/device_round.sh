@@ -33,6 +33,11 @@ if [[ " $steps " == *" first "* ]]; then
     steps=$(echo " $steps " | sed "s/ first / $first /" | xargs)
     echo "== first ($gpu): $steps"
 fi
+# "s38": session 38's queue in one call (~260 s warm): the clock's GPU tests, then s38_raw and s38_clock
+if [[ " $steps " == *" s38 "* ]]; then
+    steps=$(echo " $steps " | sed "s/ s38 / s38_clock_test s38_raw s38_clock /" | xargs)
+    echo "== s38: $steps"
+fi
 start=$SECONDS
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 t=$2; shift 2
@@ -326,12 +331,8 @@ for s in $steps; do
         step clock3_b2 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384
         step clock3_n20 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --T 4096 --dist uniform --n 20
         mode_splits clock3_split default clock default clock ;;
-    s38)  # session 38's queue, one call (~260 s warm): s38_raw, the clock's GPU tests, s38_clock
-        step s38_clock_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_fwd_clock.py
-        mode_splits raw3_split default no_qkx no_stores default no_qkx no_stores
-        step clock3_b2 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --B 2 --T 16384
-        step clock3_n20 80 python3 -u -m cula.kernels.sm90.kda_fwd_clock --T 4096 --dist uniform --n 20
-        mode_splits clock3_split default clock default clock ;;
+    s38_clock_test)  # session 38: the clock build at three CTAs bitwise the default, its stamps in order (GPU tests)
+        step s38_clock_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_fwd_clock.py ;;
     s38_raw)  # session 38: stage 1 at the three-CTA default without its qg / kgT and -X stores (no_qkx), and without
         # every scratch store (no_stores), against the default, twice in turn. Session 36's raw_premise ran these at
         # two CTAs (any diagnostic took the two-CTA build then) against the default at three (~110 s; AOT diag_no_qkx,
