@@ -24,8 +24,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # ------------------------------------------------------------------------------------ PTX reports
-# Compile checks (``cula.kernels.common.ptx_check.ptx_report``) spawn a child that runs the CuTe DSL
-# compiler, seconds to tens of seconds per target. For the session, ``ptx_report`` answers from one
+# Compile checks (``cula.kernels.common.ptx_check.ptx_report`` and ``ptx_reports``) spawn a child that
+# runs the CuTe DSL compiler, seconds to tens of seconds per target. For the session, both answer from one
 # shared cache: each (module, target) compiles once however many tests ask for it, several targets of a
 # module share a child, and the targets that the collected tests will ask for start compiling right
 # after collection, at low priority on the core(s) the mostly single-threaded tests leave idle. The
@@ -34,24 +34,57 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # that asks for it.
 
 
-def _literal(node, params: dict, module_globals: dict):
-    """The string value of a call argument: a literal, a parametrized argument, or a module constant."""
+def _literal(node, params: dict, module_globals: dict, local: dict | None = None):
+    """The string value of a call argument: a literal, a parametrized argument, a name the test binds to a
+    literal, or a module constant."""
     import ast
 
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, ast.Name):
+        if local and node.id in local and node.id not in params:
+            return _literal(local[node.id], params, module_globals)
         value = params[node.id] if node.id in params else module_globals.get(node.id)
         return value if isinstance(value, str) else None
     return None
+
+
+def _literals(node, params: dict, module_globals: dict, local: dict) -> list[str]:
+    """The strings of a list or tuple argument (``ptx_reports(module, [a, b])``), literal or bound in the
+    test to a literal list; elements that are not understood are left out (they compile when asked)."""
+    import ast
+
+    if isinstance(node, ast.Name) and node.id in local:
+        node = local[node.id]
+    if not isinstance(node, (ast.List, ast.Tuple)):
+        return []
+    found = (_literal(e, params, module_globals, local) for e in node.elts)
+    return [t for t in found if t]
+
+
+def _bindings(tree) -> dict:
+    """Names the test assigns once from a literal: ``names = [...]``, ``a, b = "x", "y"``."""
+    import ast
+
+    out: dict = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+            continue
+        target, value = node.targets[0], node.value
+        if isinstance(target, ast.Name):
+            out[target.id] = value
+        elif isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
+            out.update((t.id, v) for t, v in zip(target.elts, value.elts) if isinstance(t, ast.Name))
+    return out
 
 
 _PTX_CALLS: dict = {}
 
 
 def _ptx_requests(item: pytest.Item) -> list[tuple[str, str]]:
-    """The (module, target) pairs that test ``item`` passes to ``ptx_report``, read from its source: a
-    call ``ptx_report(module, target)`` with literals, the test's parameters or module constants is
+    """The (module, target) pairs of cula's kernel modules that test ``item`` passes to ``ptx_report`` or
+    ``ptx_reports``, read from its source: a call ``ptx_report(module, target)`` or ``ptx_reports(module,
+    [targets])`` with literals, the test's parameters, names it binds to literals or module constants is
     found, so new compile checks are prefetched without registering them anywhere (a call that is not
     understood simply compiles when the test runs)."""
     import ast
@@ -66,18 +99,24 @@ def _ptx_requests(item: pytest.Item) -> list[tuple[str, str]]:
             tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
         except (OSError, TypeError, SyntaxError):
             tree = None
-        _PTX_CALLS[fn] = [] if tree is None else [
+        _PTX_CALLS[fn] = ([], {}) if tree is None else ([
             node for node in ast.walk(tree) if isinstance(node, ast.Call)
-            and getattr(node.func, "id", getattr(node.func, "attr", None)) == "ptx_report"]
+            and getattr(node.func, "id", getattr(node.func, "attr", None)) in ("ptx_report", "ptx_reports")],
+            _bindings(tree))
+    calls, local = _PTX_CALLS[fn]
     params = getattr(getattr(item, "callspec", None), "params", {})
     pairs = []
-    for call in _PTX_CALLS[fn]:
+    for call in calls:
+        many = getattr(call.func, "id", getattr(call.func, "attr", None)) == "ptx_reports"
         args = dict(enumerate(call.args))
-        args.update({{"module": 0, "target": 1}.get(k.arg, k.arg): k.value for k in call.keywords})
-        module = _literal(args[0], params, fn.__globals__) if 0 in args else None
-        target = _literal(args[1], params, fn.__globals__) if 1 in args else "default"
-        if module and target:
-            pairs.append((module, target))
+        args.update({{"module": 0, "target": 1, "targets": 1}.get(k.arg, k.arg): k.value for k in call.keywords})
+        module = _literal(args[0], params, fn.__globals__, local) if 0 in args else None
+        if many:
+            targets = _literals(args[1], params, fn.__globals__, local) if 1 in args else []
+        else:
+            targets = [_literal(args[1], params, fn.__globals__, local) if 1 in args else "default"]
+        if module and module.startswith("cula."):
+            pairs += [(module, t) for t in targets if t]
     return pairs
 
 

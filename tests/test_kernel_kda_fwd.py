@@ -1482,7 +1482,8 @@ def test_ptx_order():
     from cula.kernels.common.ptx_check import ptx_reports
 
     names = ["intra_tc_t_out_block32_pack", "intra_tc_t_out_block32_pack_chunk"]
-    rev, chunk = (ptx_reports("cula.kernels.sm90.kda_fwd", names)[n] for n in names)
+    r = ptx_reports("cula.kernels.sm90.kda_fwd", names)
+    rev, chunk = (r[n] for n in names)
     for r in (rev, chunk):
         assert r.spill_bytes == 0 and ".local" not in r.ptx
     for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "st.global", "ld.global", "div.", "rem.", "%ctaid.x",
@@ -1785,7 +1786,8 @@ def test_ptx_session_37_stage_1_is_shorter():
     from cula.kernels.common import sass
     from cula.kernels.common.ptx_check import ptx_reports
 
-    new, cvt, s36 = (f"intra_tc_t_out_block32_pack_x_ctas3{x}" for x in ("", "_cvt", "_s36"))
+    new, cvt, s36 = ("intra_tc_t_out_block32_pack_x_ctas3", "intra_tc_t_out_block32_pack_x_ctas3_cvt",
+                     "intra_tc_t_out_block32_pack_x_ctas3_s36")
     r = ptx_reports("cula.kernels.sm90.kda_fwd", [new, cvt, s36])
     assert r[cvt].count("cvt.f32.bf16") - r[new].count("cvt.f32.bf16") >= 160
     # (cvt with KGT "ref" spills 4 bytes: an A/B build for the bitwise GPU test only, not timed)

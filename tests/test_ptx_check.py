@@ -19,7 +19,7 @@ def test_one_child_for_several_targets_gives_each_its_own_result():
     """A batched child compiles each target on its own: a failing target gets its own error, the next
     one the same PTX as its single-target compile (here, the session's shared report)."""
     pytest.importorskip("cutlass")
-    results = ptx_check.ptx_reports(MODULE, ["no_such_target", "default"])
+    results = ptx_check.compile_reports(MODULE, ["no_such_target", "default"])
     assert isinstance(results["no_such_target"], RuntimeError)
     assert "KeyError" in str(results["no_such_target"])
     alone = ptx_check.ptx_report(MODULE, "default")
@@ -27,7 +27,7 @@ def test_one_child_for_several_targets_gives_each_its_own_result():
 
 
 class _FakeCompiler:
-    """Stands in for ``ptx_reports`` in a cache of its own (the session's cache keeps the real one):
+    """Stands in for ``compile_reports`` in a cache of its own (the session's cache keeps the real one):
     records the batches, fails the targets named ``bad*``."""
 
     def __init__(self):
@@ -69,3 +69,26 @@ def test_shared_cache_serves_ptx_report():
     finally:
         ptx_check.share_reports(previous)
     assert fake.batches == [("m", ["x"])]
+
+
+def test_several_targets_share_the_cache_and_compile_the_missing_ones_together():
+    """``ptx_reports`` in a session that shares reports: targets compiled already (or by another caller) are not
+    compiled again, the missing ones compile in one batch taken out of the queue, and failures come back as
+    values, as a fresh compile returns them."""
+    fake = _FakeCompiler()
+    cache = ptx_check.ReportCache(workers=0, compiler=fake)  # no worker: what is queued stays queued
+    previous = ptx_check._shared_cache
+    ptx_check.share_reports(cache)
+    module, first, later = "m", ["a", "b"], ["b", "c", "bad", "d"]  # names, not literals: no conftest prefetch
+    try:
+        assert ptx_check.ptx_reports(module, first)["a"].ptx == "m:a"
+        cache.prefetch([(module, "d"), (module, "e")])
+        got = ptx_check.ptx_reports(module, later)
+        assert [got[t].ptx for t in ("b", "c", "d")] == ["m:b", "m:c", "m:d"]
+        assert isinstance(got["bad"], RuntimeError) and cache._queue == [(module, ["e"])]
+        with pytest.raises(RuntimeError, match="bad failed"):
+            ptx_check.ptx_report(module, "bad")
+    finally:
+        ptx_check.share_reports(previous)
+        cache.close()
+    assert fake.batches == [(module, ["a", "b"]), (module, ["c", "bad", "d"])]

@@ -15,8 +15,8 @@ Usage from Python::
 
 ``ptx_reports(module, [targets])`` compiles several targets of one module in one child (same PTX as one
 child each; the interpreter and the DSL load once). The test session shares one :class:`ReportCache`
-(``share_reports``, set up in tests/conftest.py): each target compiles once per session, ahead of the
-tests that read it, in the background.
+(``share_reports``, set up in tests/conftest.py) behind both: each target compiles once per session, ahead
+of the tests that read it, in the background. ``compile_reports`` compiles without any cache.
 
 or from a shell: ``python -m cula.kernels.common.ptx_check cula.kernels.sm90.lightning_fwd default``.
 """
@@ -204,14 +204,24 @@ def _report(module: str, target: str, out: str, child_output: str, ptxas: str | 
     return PtxReport(ptx=ptx, ptxas_log=log, kernels=parse_ptxas_log(log))
 
 
-def ptx_reports(module: str, targets: list[str], timeout: float = 600.0,
-                started: Callable[[subprocess.Popen], None] | None = None,
-                nice: int = 0) -> dict[str, PtxReport | Exception]:
-    """Compile several targets of ``module`` in one child process and run ``ptxas -v`` on each.
+def ptx_reports(module: str, targets: list[str], timeout: float = 600.0) -> dict[str, PtxReport | Exception]:
+    """Each target's report, or the exception that ``ptx_report`` would raise for it (one target's failure
+    does not hide the others' results). Inside a test session that shares reports (:class:`ReportCache`) a
+    target compiled once, ahead of time or by another test, is not compiled again; the rest compile together
+    in one child (:func:`compile_reports`)."""
+    if _shared_cache is not None:
+        return _shared_cache.get_many(module, targets)
+    return compile_reports(module, targets, timeout)
 
-    Returns each target's report, or the exception that ``ptx_report`` would raise for it (one
-    target's failure does not hide the others' results). ``started`` is told the child process;
-    ``nice`` lowers its scheduling priority (a compile ahead of need yields to the work in front).
+
+def compile_reports(module: str, targets: list[str], timeout: float = 600.0,
+                    started: Callable[[subprocess.Popen], None] | None = None,
+                    nice: int = 0) -> dict[str, PtxReport | Exception]:
+    """Compile several targets of ``module`` in one child process and run ``ptxas -v`` on each (no cache).
+
+    Returns each target's report, or the exception that ``ptx_report`` would raise for it. ``started`` is
+    told the child process; ``nice`` lowers its scheduling priority (a compile ahead of need yields to the
+    work in front).
     """
     ptxas = shutil.which("ptxas")
     results: dict[str, PtxReport | Exception] = {}
@@ -241,7 +251,7 @@ def ptx_reports(module: str, targets: list[str], timeout: float = 600.0,
             except Exception as exc:  # noqa: BLE001 - handed to whoever asks for this target
                 results[target] = exc
     for target in lost:  # alone, as a single-target call would: the failure lands on its own target
-        results.update(ptx_reports(module, [target], timeout, started, nice))
+        results.update(compile_reports(module, [target], timeout, started, nice))
     return {t: results[t] for t in targets}
 
 
@@ -253,7 +263,7 @@ def ptx_report(module: str, target: str = "default", timeout: float = 600.0) -> 
     """
     if _shared_cache is not None:
         return _shared_cache.get(module, target)
-    result = ptx_reports(module, [target], timeout)[target]
+    result = compile_reports(module, [target], timeout)[target]
     if isinstance(result, Exception):
         raise result
     return result
@@ -274,7 +284,7 @@ class ReportCache:
     def __init__(self, workers: int = 1, batch: int = 2, timeout: float = 600.0, nice: int = 10,
                  compiler: Callable[..., dict[str, PtxReport | Exception]] | None = None):
         self.workers, self.batch, self.timeout, self.nice = workers, batch, timeout, nice
-        self._compiler = compiler or ptx_reports  # bound now: a later monkeypatch cannot reach it
+        self._compiler = compiler or compile_reports  # bound now: a later monkeypatch cannot reach it
         self._lock = threading.Condition()
         self._done: dict[tuple[str, str], PtxReport | Exception] = {}
         self._running: set[tuple[str, str]] = set()
@@ -357,6 +367,26 @@ class ReportCache:
         if isinstance(result, Exception):
             raise result
         return result
+
+    def get_many(self, module: str, targets: list[str]) -> dict[str, PtxReport | Exception]:
+        """Each target's report or failure (as :func:`compile_reports` returns them): the ones not yet
+        compiled or compiling are taken out of the queue and compiled here, together in one child; the ones
+        compiling elsewhere are waited for."""
+        targets = list(dict.fromkeys(targets))
+        with self._lock:
+            mine = [t for t in targets if (module, t) not in self._done and (module, t) not in self._running]
+            for entry in list(self._queue):
+                if entry[0] == module:
+                    entry[1][:] = [t for t in entry[1] if t not in mine]
+                    if not entry[1]:
+                        self._queue.remove(entry)
+            self._running.update((module, t) for t in mine)
+        if mine:
+            self._compile(module, mine)
+        with self._lock:
+            while any((module, t) in self._running for t in targets):
+                self._lock.wait()
+            return {t: self._done[(module, t)] for t in targets}
 
     def close(self) -> None:
         """Drop what is queued and stop the children still compiling (end of the session)."""
