@@ -92,3 +92,27 @@ def test_several_targets_share_the_cache_and_compile_the_missing_ones_together()
         ptx_check.share_reports(previous)
         cache.close()
     assert fake.batches == [(module, ["a", "b"]), (module, ["c", "bad", "d"])]
+
+
+def test_a_caller_waiting_on_another_compile_works_the_queue_meanwhile():
+    """While the target it needs compiles elsewhere, ``get`` compiles the queued batches itself (no idle core
+    while work is queued), then returns the other thread's report."""
+    fake = _FakeCompiler()
+    cache = ptx_check.ReportCache(workers=0, batch=1, compiler=fake)
+    cache.prefetch([("m", "x"), ("m", "y")])
+    with cache._lock:
+        cache._running.add(("m", "z"))  # as if a background child were compiling it
+
+    def finish_z():
+        while len(fake.batches) < 2:  # after the caller has taken both queued batches
+            threading.Event().wait(0.01)
+        cache._finish("m", ["z"], {"z": ptx_check.PtxReport(ptx="elsewhere", ptxas_log="", kernels=[])})
+
+    other = threading.Thread(target=finish_z)
+    other.start()
+    try:
+        assert cache.get("m", "z").ptx == "elsewhere"
+    finally:
+        other.join(5)
+        cache.close()
+    assert fake.batches == [("m", ["x"]), ("m", ["y"])] and cache.get("m", "x").ptx == "m:x"

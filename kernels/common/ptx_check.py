@@ -275,8 +275,9 @@ class ReportCache:
     ``prefetch(pairs)`` queues the targets, grouped by module into children of a few targets each,
     for ``workers`` background threads (each waits on one child process at a time, run at ``nice``
     so that it takes only the CPU the foreground leaves idle). ``get`` returns
-    a finished report, waits for one being compiled, or compiles a queued or unknown target in the
-    calling thread itself, so a caller that needs a report never waits behind the queue. Reports and
+    a finished report, compiles a queued or unknown target in the calling thread itself (a caller that
+    needs a report never waits behind the queue), and while its target compiles elsewhere compiles
+    queued batches itself instead of waiting idle. Reports and
     failures are both kept: a target that failed fails every test that asks for it, as it would when
     compiled there.
     """
@@ -345,48 +346,43 @@ class ReportCache:
             self._lock.notify_all()
 
     def get(self, module: str, target: str) -> PtxReport:
-        key = (module, target)
-        with self._lock:
-            while key in self._running:
-                self._lock.wait()
-            if key not in self._done:
-                for entry in self._queue:  # queued: take this target out and compile it here
-                    if entry[0] == module and target in entry[1]:
-                        entry[1].remove(target)
-                        if not entry[1]:
-                            self._queue.remove(entry)
-                        break
-                self._running.add(key)
-                compile_here = True
-            else:
-                compile_here = False
-        if compile_here:
-            self._compile(module, [target])
-        with self._lock:
-            result = self._done[key]
+        result = self.get_many(module, [target])[target]
         if isinstance(result, Exception):
             raise result
         return result
 
     def get_many(self, module: str, targets: list[str]) -> dict[str, PtxReport | Exception]:
         """Each target's report or failure (as :func:`compile_reports` returns them): the ones not yet
-        compiled or compiling are taken out of the queue and compiled here, together in one child; the ones
-        compiling elsewhere are waited for."""
+        compiled or compiling are taken out of the queue and compiled here, together in one child. While the
+        others compile elsewhere, this thread compiles queued batches in the meantime rather than wait idle
+        (the caller needs the reports, so the queue's work may as well run on its core)."""
         targets = list(dict.fromkeys(targets))
-        with self._lock:
-            mine = [t for t in targets if (module, t) not in self._done and (module, t) not in self._running]
-            for entry in list(self._queue):
-                if entry[0] == module:
-                    entry[1][:] = [t for t in entry[1] if t not in mine]
-                    if not entry[1]:
-                        self._queue.remove(entry)
-            self._running.update((module, t) for t in mine)
-        if mine:
-            self._compile(module, mine)
-        with self._lock:
-            while any((module, t) in self._running for t in targets):
-                self._lock.wait()
-            return {t: self._done[(module, t)] for t in targets}
+        keys = [(module, t) for t in targets]
+        while True:
+            with self._lock:
+                if all(k in self._done for k in keys):
+                    return {t: self._done[(module, t)] for t in targets}
+                mine = [t for t in targets if (module, t) not in self._done and (module, t) not in self._running]
+                if mine:
+                    self._take(module, mine)
+                elif self._queue:
+                    module_b, mine_b = self._queue.pop(0)
+                    self._running.update((module_b, t) for t in mine_b)
+                    job = (module_b, mine_b)
+                else:
+                    self._lock.wait()
+                    continue
+                job = (module, mine) if mine else job
+            self._compile(*job)
+
+    def _take(self, module: str, mine: list[str]) -> None:
+        """(Lock held.) Claim ``mine`` for the calling thread: out of the queue, marked running."""
+        for entry in list(self._queue):
+            if entry[0] == module:
+                entry[1][:] = [t for t in entry[1] if t not in mine]
+                if not entry[1]:
+                    self._queue.remove(entry)
+        self._running.update((module, t) for t in mine)
 
     def close(self) -> None:
         """Drop what is queued and stop the children still compiling (end of the session)."""
