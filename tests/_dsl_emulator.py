@@ -345,6 +345,18 @@ def _sync_threads():
     _tls.cta.barrier.wait()
 
 
+def _named_barrier(barrier_id: int = 0, number_of_threads: int | None = None):
+    """``bar.sync id, n``: the emulator runs whole CTAs, so only a barrier over every thread is modelled."""
+    cta = _tls.cta
+    assert number_of_threads in (None, cta.barrier.n), (
+        f"named barrier {barrier_id} over {number_of_threads} of {cta.barrier.n} threads: not emulated")
+    cta.barrier.wait()
+
+
+def _fmax(a, b):
+    return F(max(_v(a), _v(b)))
+
+
 def _shuffle_sync_bfly(x, offset: int, mask: int = -1, mask_and_clamp: int = 31):
     # One barrier per shuffle: a lane writes slot array k % 2 for its k-th shuffle, so a fast lane
     # cannot overwrite values not yet read (writing array k % 2 again, for shuffle k + 2, needs every
@@ -404,6 +416,10 @@ def _autovec_copy(src: Tensor, dst: Tensor) -> None:
         dst[i] = src[i]
 
 
+def _exp2(x: float) -> float:
+    return 2.0 ** x if x < 1024.0 else math.inf
+
+
 def _math(fn):
     def op(x, fastmath=False):
         return F(fn(np.float64(_v(x))))
@@ -412,9 +428,10 @@ def _math(fn):
 
 cute = types.SimpleNamespace(
     arch=types.SimpleNamespace(thread_idx=_thread_idx, block_idx=_block_idx, grid_dim=_grid_dim,
-                               sync_threads=_sync_threads, shuffle_sync_bfly=_shuffle_sync_bfly),
-    math=types.SimpleNamespace(exp=_math(math.exp), log=_math(math.log),
-                               rsqrt=_math(lambda x: 1.0 / math.sqrt(x)), exp2=_math(lambda x: 2.0 ** x)),
+                               sync_threads=_sync_threads, shuffle_sync_bfly=_shuffle_sync_bfly,
+                               barrier=_named_barrier, fmax=_fmax, rcp_approx=_math(lambda x: 1.0 / x)),
+    math=types.SimpleNamespace(exp=_math(math.exp), log=_math(math.log), log2=_math(math.log2),
+                               rsqrt=_math(lambda x: 1.0 / math.sqrt(x)), exp2=_math(_exp2)),
     make_layout=lambda shape, stride=None: Layout(shape, stride),
     make_tensor=_make_tensor,
     make_rmem_tensor=_make_rmem_tensor,
@@ -435,10 +452,23 @@ cutlass = types.SimpleNamespace(
 # --------------------------------------------------------------------------------- source rebinding
 
 
+def _real_dtypes() -> dict:
+    """The DSL's own dtype classes mapped to the emulator's (a module's ``F32 = cutlass.Float32`` aliases)."""
+    try:
+        import cutlass as real
+    except ImportError:
+        return {}
+    return {id(getattr(real, name)): dt for name, dt in
+            (("Float32", Float32), ("BFloat16", BFloat16), ("Float16", Float16), ("Int32", Int32), ("Int64", Int64))}
+
+
 def rebind(fn: Callable, namespace: dict[str, Any]) -> Callable:
-    """The undecorated source of ``fn`` with its module globals overridden by ``namespace``."""
+    """The undecorated source of ``fn`` with its module globals overridden by ``namespace`` (and module-level
+    aliases of the DSL's dtypes by the emulator's)."""
     raw = getattr(fn, "__wrapped__", fn)
     glb = dict(raw.__globals__)
+    dtypes = _real_dtypes()
+    glb.update({name: dtypes[id(value)] for name, value in glb.items() if id(value) in dtypes})
     glb.update(namespace)
     return types.FunctionType(raw.__code__, glb, raw.__name__, raw.__defaults__, raw.__closure__)
 
@@ -451,8 +481,9 @@ class _Launch:
         launch(self.body, [int(g) for g in grid], int(block[0]) * int(block[1]) * int(block[2]), self.args)
 
 
-def emulated_instance(obj: Any, helpers: dict[str, Callable], kernel_name: str = "kernel") -> Any:
-    """A copy of kernel configuration ``obj`` whose DSL methods run on the emulator.
+def emulated_instance(obj: Any, helpers: dict[str, Callable], kernel_name: str | None = "kernel") -> Any:
+    """A copy of kernel configuration ``obj`` whose DSL methods run on the emulator (``kernel_name`` None: a
+    helper object without a kernel, e.g. a device routine another kernel's object holds).
 
     Calling the copy runs the host ``__call__`` source; its ``self.<kernel_name>(...).launch(grid, block)``
     runs the kernel source on every CTA of the grid it computes.
@@ -464,11 +495,12 @@ def emulated_instance(obj: Any, helpers: dict[str, Callable], kernel_name: str =
     for name, member in vars(cls).items():
         if callable(member) and (not name.startswith("__") or name == "__call__"):
             members[name] = rebind(member, namespace) if hasattr(member, "__wrapped__") else member
-    body = members.pop(kernel_name)
+    body = members.pop(kernel_name) if kernel_name is not None else None
     emu_cls = type(f"Emulated{cls.__name__}", (), members)
     inst = emu_cls()
     inst.__dict__.update(obj.__dict__)
-    setattr(inst, kernel_name, lambda *args: _Launch(lambda *a: body(inst, *a), args))
+    if body is not None:
+        setattr(inst, kernel_name, lambda *args: _Launch(lambda *a: body(inst, *a), args))
     return inst
 
 

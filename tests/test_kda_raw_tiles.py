@@ -100,3 +100,136 @@ def test_half_products_are_the_prefix_and_suffix_products():
     bad[:, raw.HALF] *= 1.001  # the lower half's first factor: every upper-half suffix depends on it
     _, suf_bad = raw.half_products(bad)
     assert not torch.allclose(suf_bad[:, : raw.HALF].double(), ref_suf[:, : raw.HALF], rtol=1e-6, atol=0)
+
+
+# ------------------------------------------------------------------------ the DSL form, under the CPU emulator
+PROBE_CASES = [  # gate, valid rows, lower bound, A_log scale
+    pytest.param("sigmoid", 64, -5.0, 0.5, id="sigmoid-full"),
+    pytest.param("sigmoid", 37, -5.0, 3.0, id="sigmoid-partial-saturated"),
+    pytest.param("softplus", 64, tc.SOFTPLUS_FLOOR, 3.0, id="softplus-full"),
+    pytest.param("log", 1, -5.0, 0.5, id="log-one-row"),
+    pytest.param("log", 50, -5.0, 0.5, id="log-partial"),
+]
+
+
+def _probe_inputs(gate, nvalid, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(raw.CHUNK, raw.DK, generator=g).bfloat16()
+    k = torch.randn(raw.CHUNK, raw.DK, generator=g).bfloat16()
+    if gate == "log":  # a log-space decay, some of it below the bound (clamped)
+        gate_in = (-7 * torch.rand(raw.CHUNK, raw.DK, generator=g)).bfloat16()
+    else:
+        gate_in = torch.randn(raw.CHUNK, raw.DK, generator=g).bfloat16()
+    dtb = 0.5 * torch.randn(raw.DK, generator=g)
+    a_log = torch.randn(1, generator=g)
+    return q, k, gate_in, dtb, a_log
+
+
+@pytest.mark.parametrize("gate,nvalid,lb,a_scale", PROBE_CASES)
+def test_dsl_transform_matches_the_model(gate, nvalid, lb, a_scale):
+    """RawTiles' own source on one chunk (the probe kernel, emulated: exact exp2 / rcp / log2 where the GPU's are
+    approximate) against the torch model: within one bf16 step everywhere and bitwise for nearly every element;
+    rows past ``nvalid`` are zero, whatever q, k and g hold there. The model's inverse norms are the probe's
+    input (stage 1 will hand them over)."""
+    pytest.importorskip("cutlass")
+    import _dsl_emulator as emu
+    from collections import namedtuple
+
+    import cutlass
+
+    q, k, gate_in, dtb, a_log = _probe_inputs(gate, nvalid, seed=nvalid)
+    a = (a_log * a_scale).exp().float()
+    keep = torch.arange(raw.CHUNK) < nvalid
+    kf = keep[:, None].float()
+    scale = raw.DK ** -0.5
+    qf, kf_ = q.float() * kf, k.float() * kf
+    nq = (scale * torch.rsqrt((qf * qf).sum(-1) + raw.L2NORM_EPS)).contiguous()
+    nk = torch.rsqrt((kf_ * kf_).sum(-1) + raw.L2NORM_EPS).contiguous()
+    want = raw.raw_tiles(q[None], k[None], gate_in[None], keep[None], scale, lb, a, dtb[None],
+                         softplus_gate=gate == "softplus", log_gate=gate == "log")
+
+    out = {n: torch.full((raw.CHUNK, raw.DK), float("nan"), dtype=torch.bfloat16) for n in ("qg", "x", "kg")}
+    tensors = [q.contiguous(), k.contiguous(), gate_in.contiguous(), nq, nk, dtb.contiguous(), *out.values()]
+    mem = emu.Memory()
+    mem.register(*tensors)
+    Spec = namedtuple("Spec", "kind dtype")
+    dts = [cutlass.BFloat16] * 3 + [cutlass.Float32] * 3 + [cutlass.BFloat16] * 3
+    specs = [Spec("ptr", dt) for dt in dts] + [Spec("i32", None), Spec("f32", None), Spec("f32", None)]
+    ptrs, backs = mem.pointers(specs, [t.data_ptr() for t in tensors] + [nvalid, float(a), lb])
+    probe = raw.RawTilesProbe(gate)
+    inst = emu.emulated_instance(probe, {})
+    inst.t = emu.emulated_instance(probe.t, {}, kernel_name=None)
+    inst(*ptrs, None)
+    emu.Memory.write_back(backs)
+
+    for name, sign in (("qg", 1), ("x", -1), ("kg", 1)):
+        got, ref = out[name].double(), sign * want[name][0].double()
+        assert torch.isfinite(got).all(), name
+        assert (got[nvalid:] == 0).all(), name
+        tol = 2.0 ** -7 * torch.maximum(got.abs(), ref.abs()) + 1e-30
+        assert ((got - ref).abs() <= tol).all(), (name, ((got - ref).abs() / tol).max().item())
+        assert (got == ref).double().mean() > 0.99, (name, (got == ref).double().mean().item())
+
+
+def test_dsl_transform_catches_a_wrong_exchange(monkeypatch):
+    """The comparison above can fail: with the halves' totals not exchanged (each half alone), the lower half's
+    prefixes and the upper half's suffixes are wrong and the probe's tiles leave the model's step."""
+    pytest.importorskip("cutlass")
+    import _dsl_emulator as emu
+    from collections import namedtuple
+
+    import cutlass
+
+    q, k, gate_in, dtb, a_log = _probe_inputs("sigmoid", 64, seed=3)
+    a = a_log.exp().float()
+    keep = torch.ones(raw.CHUNK, dtype=torch.bool)
+    scale = raw.DK ** -0.5
+    nq = (scale * torch.rsqrt((q.float() ** 2).sum(-1) + raw.L2NORM_EPS)).contiguous()
+    nk = torch.rsqrt((k.float() ** 2).sum(-1) + raw.L2NORM_EPS).contiguous()
+    want = raw.raw_tiles(q[None], k[None], gate_in[None], keep[None], scale, -5.0, a, dtb[None])
+    out = {n: torch.full((raw.CHUNK, raw.DK), float("nan"), dtype=torch.bfloat16) for n in ("qg", "x", "kg")}
+    tensors = [q.contiguous(), k.contiguous(), gate_in.contiguous(), nq, nk, dtb.contiguous(), *out.values()]
+    mem = emu.Memory()
+    mem.register(*tensors)
+    Spec = namedtuple("Spec", "kind dtype")
+    dts = [cutlass.BFloat16] * 3 + [cutlass.Float32] * 3 + [cutlass.BFloat16] * 3
+    specs = [Spec("ptr", dt) for dt in dts] + [Spec("i32", None), Spec("f32", None), Spec("f32", None)]
+    ptrs, backs = mem.pointers(specs, [t.data_ptr() for t in tensors] + [64, float(a), -5.0])
+    probe = raw.RawTilesProbe("sigmoid")
+    inst = emu.emulated_instance(probe, {})
+    inst.t = emu.emulated_instance(probe.t, {}, kernel_name=None)
+    real_barrier = emu.cute.arch.barrier
+
+    def no_exchange(barrier_id=0, number_of_threads=None):  # each half reads back its own total
+        real_barrier(barrier_id, number_of_threads)
+        tid = emu._tls.tid
+        # (the emulated smem buffers: the exchange is the sixth allocation)
+        xch = emu._tls.cta.smem[5]
+        if tid == 0:
+            for c in range(raw.DK):
+                xch[(0, c)], xch[(1, c)] = 1.0, 1.0
+        real_barrier(barrier_id, number_of_threads)
+
+    monkeypatch.setattr(emu.cute.arch, "barrier", no_exchange)
+    inst(*ptrs, None)
+    emu.Memory.write_back(backs)
+    got, ref = out["qg"].double(), want["qg"][0].double()
+    tol = 2.0 ** -7 * torch.maximum(got.abs(), ref.abs()) + 1e-30
+    assert not ((got - ref).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("target", ["probe_sigmoid", "probe_softplus", "probe_log"])
+def test_probe_compiles_without_spills_at_the_planned_mufu_count(target):
+    """The transform (in its probe) compiles to sm_90a without spills or local memory, within the registers a
+    256-thread CTA leaves each thread, at the MUFU count of the design: per thread 64 elements, each one exp2 of
+    the factor plus the gate's own (sigmoid: exp2 and rcp; softplus: exp2 and log2; log-space: none)."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common.ptx_check import ptx_report
+
+    rep = ptx_report("cula.kernels.sm90.kda_fwd_raw_tiles", target)
+    assert rep.spill_bytes == 0 and ".local" not in rep.ptx and rep.max_registers <= 255
+    n = raw.HALF * raw.PAIR
+    gate = target.removeprefix("probe_")
+    assert rep.count("ex2.approx") == {"sigmoid": 2 * n, "softplus": 2 * n, "log": n}[gate]
+    assert rep.count("rcp.approx") == (n if gate == "sigmoid" else 0)
+    assert rep.count("lg2.approx") == (n if gate == "softplus" else 0)

@@ -1,6 +1,7 @@
-"""The "raw tiles" transform designed for stage 2, as a torch model. No kernel: its premise, measured on an H100 in
-session 36, said it could buy ~1% of both stages (kda_fwd.md, "Where the time goes"); kept as the reference should
-the balance change.
+"""The "raw tiles" transform designed for stage 2: its torch model and its CuTe DSL form (session 39).
+
+Its premise was first measured on an H100 in session 36 (~1% of both stages, kda_fwd.md, "Where the time goes"), but
+that run compared two CTAs against three (found in session 38); ``device_round.sh s38_raw`` remeasures it at three.
 
 Today stage 1 writes qg, kgᵀ and −X (768 of its 1,676 B a token-head) and stage 2 reads them back. In this
 design stage 2 reads q, k and g instead (the same bytes) and a second warpgroup forms the three operand tiles in
@@ -12,17 +13,27 @@ A thread owns two key columns and one half of the chunk's rows (``HALF`` = 32): 
 warpgroup's 128 threads. Each half forms its local products; the halves then exchange totals (the upper half's
 prefix total scales the lower half's prefixes, the lower half's total scales the upper half's suffixes). The
 products and roundings are the scheme's, in its order; the per-token gate is stage 1's model's
-(``kda_fwd_intra_tc.gate_log2``). tests/test_kda_raw_tiles.py checks it against that model
-(``kda_fwd_intra_tc.emulate``).
+(``kda_fwd_intra_tc.gate_log2``). tests/test_kda_raw_tiles.py checks the model against that of stage 1
+(``kda_fwd_intra_tc.emulate``), and the DSL form (:class:`RawTiles`, run by :class:`RawTilesProbe` on one chunk)
+against the model under the CPU emulator. No kernel uses the DSL form yet: until stage 2 does, this file stays out
+of the kernels' AOT fingerprint (``aot.NOT_KERNEL_SOURCES``; tests/test_aot.py fails once a kernel imports it).
 """
 
 from __future__ import annotations
 
+import cutlass
+import cutlass.cute as cute
 import torch
 
-from cula.kernels.sm90.kda_fwd_intra_tc import CHUNK, L2NORM_EPS, gate_log2
+from cula.kernels.sm90.kda_fwd_intra_tc import (
+    CHUNK, DK, L2NORM_EPS, LOG2E, RCP_LN2, SOFTPLUS_THRESHOLD, gate_log2,
+)
 
 HALF = 32  # rows a transform thread walks: the chunk's two halves run on two threads
+PAIR = 2  # key columns a transform thread owns: a warp's 32 threads read 64 consecutive bf16 of a row (128 B)
+THREADS = (DK // PAIR) * (CHUNK // HALF)  # the transform warpgroup (128)
+GATES = ("sigmoid", "softplus", "log")  # lb·sigmoid(a(g + dt_bias)), FLA's softplus gate clamped at lb, log-space g
+BARRIER_ID = 1  # the probe's named barrier for the halves' exchange (stage 2 will pass its own)
 
 
 def half_products(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,3 +80,175 @@ def raw_tiles(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, keep: torch.Ten
     gam = pre[..., CHUNK - 1, :]
     return dict(qg=(qs * pre).to(torch.bfloat16), x=(ks * pre).to(torch.bfloat16), kg=(ks * suf).to(torch.bfloat16),
                 gam=gam)
+
+
+# ------------------------------------------------------------------------------------------------ the DSL form
+F32 = cutlass.Float32
+BF16 = cutlass.BFloat16
+
+
+class RawTiles:
+    """One chunk's transform by a warpgroup, in place in shared memory: q → qg (scale q̂ ⊙ 2^Γ), k → −X (−k̂ ⊙ 2^Γ,
+    stage 2's sign), g → kg (k̂ ⊙ 2^(Γ_C − Γ), token-major: the state update reads it MN-major). Tiles are
+    ``[64 tok, 128 k]`` bf16 tensors under any layout (coordinates only); ``sNq`` / ``sNk`` the rows' inverse norms
+    (fp32 [64], the scale folded into q's); ``sXch`` fp32 [2, 128] for the halves' totals. Rows at or past
+    ``nvalid`` come out zero, with a factor of one (Γ stops at the last valid row)."""
+
+    def __init__(self, gate: str = "sigmoid", barrier_id: int = BARRIER_ID, threads: int = THREADS):
+        if gate not in GATES:
+            raise ValueError(f"gate: expected one of {GATES}, got {gate!r}")
+        self.gate, self.barrier_id, self.threads = gate, barrier_id, threads
+
+    @cute.jit
+    def factor(self, x: F32, dtb: F32, a_nl2e: F32, neg_a: F32, lb_log2: F32) -> F32:
+        """2^g' of one raw gate element ``x``, as stage 1's phase 1 forms g' (log2 units): ``dtb`` is dt_bias (in
+        log2 units for the softplus gate), ``a_nl2e`` = −exp(A_log)/ln 2, ``neg_a`` = −exp(A_log)."""
+        gl = F32(0.0)
+        if cutlass.const_expr(self.gate == "log"):
+            y = cute.arch.fmax(x * F32(RCP_LN2), lb_log2)
+            gl = -cute.arch.fmax(-y, F32(0.0))
+        elif cutlass.const_expr(self.gate == "softplus"):
+            y = x * F32(LOG2E) + dtb
+            y_cut = -cute.arch.fmax(-y, F32(-SOFTPLUS_THRESHOLD * LOG2E))
+            sp = cute.math.log2(F32(1.0) + cute.math.exp2(y_cut, fastmath=True), fastmath=True)
+            gl = cute.arch.fmax(neg_a * cute.arch.fmax(sp, y), lb_log2)
+        else:
+            ez = cute.math.exp2(a_nl2e * (x + dtb), fastmath=True)
+            gl = lb_log2 * cute.arch.rcp_approx(F32(1.0) + ez)
+        return cute.math.exp2(gl, fastmath=True)
+
+    @cute.jit
+    def chunk(self, sQ: cute.Tensor, sK: cute.Tensor, sG: cute.Tensor, sNq: cute.Tensor, sNk: cute.Tensor,
+              sXch: cute.Tensor, dtb: cute.Tensor, nvalid, a_nl2e: F32, neg_a: F32, lb_log2: F32, tidx):
+        """The thread ``tidx`` (0..127) of the warpgroup: column pair ``tidx % 64``, half ``tidx // 64``; ``dtb``
+        its two columns' dt_bias (register tensor [2])."""
+        c0 = (tidx % (DK // PAIR)) * PAIR
+        half = tidx // (DK // PAIR)
+        r0 = half * HALF
+        fac = cute.make_rmem_tensor(cute.make_layout((HALF, PAIR)), F32)
+        pre = cute.make_rmem_tensor(cute.make_layout((HALF, PAIR)), F32)
+        run = cute.make_rmem_tensor(cute.make_layout(PAIR), F32)
+        for j in cutlass.range_constexpr(PAIR):
+            run[j] = F32(1.0)
+        # down the half: the factors and the local prefix products (the row itself included)
+        for i in cutlass.range_constexpr(HALF):
+            for j in cutlass.range_constexpr(PAIR):
+                f = F32(1.0)
+                if r0 + i < nvalid:
+                    f = self.factor(sG[(r0 + i, c0 + j)].to(F32), dtb[j], a_nl2e, neg_a, lb_log2)
+                fac[i, j] = f
+                run[j] = run[j] * f
+                pre[i, j] = run[j]
+        for j in cutlass.range_constexpr(PAIR):
+            sXch[(half, c0 + j)] = run[j]
+        cute.arch.barrier(barrier_id=self.barrier_id, number_of_threads=self.threads)
+        # the upper half's total scales the lower half's prefixes; the lower half's total the upper's suffixes
+        pre_mul = cute.make_rmem_tensor(cute.make_layout(PAIR), F32)
+        suf_mul = cute.make_rmem_tensor(cute.make_layout(PAIR), F32)
+        for j in cutlass.range_constexpr(PAIR):
+            other = sXch[(1 - half, c0 + j)]
+            pre_mul[j] = F32(1.0)
+            suf_mul[j] = F32(1.0)
+            if half == 0:
+                suf_mul[j] = other
+            else:
+                pre_mul[j] = other
+            run[j] = F32(1.0)
+        # up the half: the suffix products (the row itself excluded), and the three tiles in place
+        for ii in cutlass.range_constexpr(HALF):
+            i = HALF - 1 - ii
+            r = r0 + i
+            nq = F32(0.0)
+            nk = F32(0.0)
+            if r < nvalid:
+                nq = sNq[r]
+                nk = sNk[r]
+            for j in cutlass.range_constexpr(PAIR):
+                qn = sQ[(r, c0 + j)].to(F32) * nq
+                kn = sK[(r, c0 + j)].to(F32) * nk
+                p = pre_mul[j] * pre[i, j]
+                sQ[(r, c0 + j)] = BF16(qn * p)
+                sK[(r, c0 + j)] = BF16(-(kn * p))
+                sG[(r, c0 + j)] = BF16(kn * (suf_mul[j] * run[j]))
+                run[j] = run[j] * fac[i, j]
+
+
+class RawTilesProbe:
+    """One chunk through :class:`RawTiles` on one CTA of 128 threads: q, k, g ([64, 128] bf16, row-major) copied
+    into shared memory, transformed, copied out to qg, −X and kg; for the CPU emulator and the compile check."""
+
+    def __init__(self, gate: str = "sigmoid"):
+        self.t = RawTiles(gate, BARRIER_ID, THREADS)
+        self.gate = gate
+
+    @cute.jit
+    def __call__(self, pQ: cute.Pointer, pK: cute.Pointer, pG: cute.Pointer, pNq: cute.Pointer, pNk: cute.Pointer,
+                 pDtb: cute.Pointer, pQG: cute.Pointer, pX: cute.Pointer, pKG: cute.Pointer, nvalid: cutlass.Int32,
+                 a_exp: cutlass.Float32, lower_bound: cutlass.Float32, stream):
+        tile = cute.make_layout((CHUNK, DK), stride=(DK, 1))
+        rows = cute.make_layout(CHUNK)
+        self.kernel(
+            cute.make_tensor(pQ, tile), cute.make_tensor(pK, tile), cute.make_tensor(pG, tile),
+            cute.make_tensor(pNq, rows), cute.make_tensor(pNk, rows), cute.make_tensor(pDtb, cute.make_layout(DK)),
+            cute.make_tensor(pQG, tile), cute.make_tensor(pX, tile), cute.make_tensor(pKG, tile),
+            nvalid, a_exp, lower_bound,
+        ).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mNq: cute.Tensor, mNk: cute.Tensor,
+               mDtb: cute.Tensor, mQG: cute.Tensor, mX: cute.Tensor, mKG: cute.Tensor, nvalid: cutlass.Int32,
+               a_exp: cutlass.Float32, lower_bound: cutlass.Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        smem = cutlass.utils.SmemAllocator()
+        tile = cute.make_layout((CHUNK, DK), stride=(DK, 1))
+        sQ = smem.allocate_tensor(BF16, tile, 16)
+        sK = smem.allocate_tensor(BF16, tile, 16)
+        sG = smem.allocate_tensor(BF16, tile, 16)
+        sNq = smem.allocate_tensor(F32, cute.make_layout(CHUNK), 16)
+        sNk = smem.allocate_tensor(F32, cute.make_layout(CHUNK), 16)
+        sXch = smem.allocate_tensor(F32, cute.make_layout((2, DK), stride=(DK, 1)), 16)
+        for n in cutlass.range_constexpr(CHUNK * DK // THREADS):
+            r = (n * THREADS + tidx) // DK
+            c = (n * THREADS + tidx) % DK
+            sQ[(r, c)] = mQ[(r, c)]
+            sK[(r, c)] = mK[(r, c)]
+            sG[(r, c)] = mG[(r, c)]
+        if tidx < CHUNK:
+            sNq[tidx] = mNq[tidx]
+            sNk[tidx] = mNk[tidx]
+        cute.arch.sync_threads()
+        c0 = (tidx % (DK // PAIR)) * PAIR
+        dtb = cute.make_rmem_tensor(cute.make_layout(PAIR), F32)
+        for j in cutlass.range_constexpr(PAIR):
+            dtb[j] = mDtb[c0 + j]
+            if cutlass.const_expr(self.gate == "softplus"):
+                dtb[j] = dtb[j] * F32(LOG2E)
+        self.t.chunk(sQ, sK, sG, sNq, sNk, sXch, dtb, nvalid, a_exp * F32(-RCP_LN2), -a_exp,
+                     lower_bound * F32(RCP_LN2), tidx)
+        cute.arch.sync_threads()
+        for n in cutlass.range_constexpr(CHUNK * DK // THREADS):
+            r = (n * THREADS + tidx) // DK
+            c = (n * THREADS + tidx) % DK
+            mQG[(r, c)] = sQ[(r, c)]
+            mX[(r, c)] = sK[(r, c)]
+            mKG[(r, c)] = sG[(r, c)]
+
+
+def fake_args():
+    """Placeholder pointers and scalars for a CPU compile of the probe (it never runs on them)."""
+    from cula.kernels.common.ptx_check import fake_ptr
+
+    dts = [BF16] * 3 + [F32] * 3 + [BF16] * 3
+    return (*(fake_ptr(i, dt, 16) for i, dt in enumerate(dts)), cutlass.Int32(64), F32(1.0), F32(-5.0))
+
+
+def compile_targets() -> dict:
+    """CPU PTX-check targets: the probe for each gate form."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    def build(gate):
+        def make():
+            return RawTilesProbe(gate), (*fake_args(), make_fake_stream())
+        return make
+
+    return {f"probe_{gate}": build(gate) for gate in GATES}
