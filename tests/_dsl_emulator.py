@@ -433,6 +433,7 @@ cute = types.SimpleNamespace(
     math=types.SimpleNamespace(exp=_math(math.exp), log=_math(math.log), log2=_math(math.log2),
                                rsqrt=_math(lambda x: 1.0 / math.sqrt(x)), exp2=_math(_exp2)),
     make_layout=lambda shape, stride=None: Layout(shape, stride),
+    crd2idx=lambda coord, layout: sum(int(c) * d for c, d in zip(coord, layout.stride)),
     make_tensor=_make_tensor,
     make_rmem_tensor=_make_rmem_tensor,
     autovec_copy=_autovec_copy,

@@ -198,19 +198,10 @@ def test_dsl_transform_catches_a_wrong_exchange(monkeypatch):
     probe = raw.RawTilesProbe("sigmoid")
     inst = emu.emulated_instance(probe, {})
     inst.t = emu.emulated_instance(probe.t, {}, kernel_name=None)
-    real_barrier = emu.cute.arch.barrier
+    def no_exchange(x, offset, mask=-1, mask_and_clamp=31):  # each half gets its own total back
+        return x
 
-    def no_exchange(barrier_id=0, number_of_threads=None):  # each half reads back its own total
-        real_barrier(barrier_id, number_of_threads)
-        tid = emu._tls.tid
-        # (the emulated smem buffers: the exchange is the sixth allocation)
-        xch = emu._tls.cta.smem[5]
-        if tid == 0:
-            for c in range(raw.DK):
-                xch[(0, c)], xch[(1, c)] = 1.0, 1.0
-        real_barrier(barrier_id, number_of_threads)
-
-    monkeypatch.setattr(emu.cute.arch, "barrier", no_exchange)
+    monkeypatch.setattr(emu.cute.arch, "shuffle_sync_bfly", no_exchange)
     inst(*ptrs, None)
     emu.Memory.write_back(backs)
     got, ref = out["qg"].double(), want["qg"][0].double()
@@ -233,3 +224,116 @@ def test_probe_compiles_without_spills_at_the_planned_mufu_count(target):
     assert rep.count("ex2.approx") == {"sigmoid": 2 * n, "softplus": 2 * n, "log": n}[gate]
     assert rep.count("rcp.approx") == (n if gate == "sigmoid" else 0)
     assert rep.count("lg2.approx") == (n if gate == "softplus" else 0)
+
+
+def test_the_transform_uses_stage_ones_constants():
+    """kda_fwd_raw_tiles keeps its own copies of stage 1's constants (an import would be circular): equal."""
+    for name in ("CHUNK", "DK", "L2NORM_EPS", "RCP_LN2", "LOG2E", "SOFTPLUS_THRESHOLD"):
+        assert getattr(raw, name) == getattr(tc, name), name
+
+
+# ---------------------------------------------------------------------- stage 2 with the raw tiles (KdaFwdRecurRaw)
+def test_raw_norms_are_the_rows_inverse_norms():
+    """raw_norms' [HV, NC, 2, 64] layout: chunk c's row r is token chunks[c, 0] + r (its q head, repeated over the
+    value heads of its group), zero past the chunk's end."""
+    from cula.kernels.sm90 import kda_fwd_recur as recur
+
+    torch.manual_seed(0)
+    q, k = torch.randn(200, 1, 128), torch.randn(200, 1, 128)
+    chunks, _, _ = kda_fwd.chunk_tables(torch.tensor([0, 0, 15, 79, 200]))
+    n = recur.raw_norms(q, k, chunks, 2, 0.25)
+    assert n.shape == (2, chunks.shape[0], 2, 64)
+    c, r = 2, 10  # the third chunk (the 64 tokens from 79), row 10: token 89
+    tok = int(chunks[c, 0]) + r
+    assert torch.allclose(n[1, c, 0, r], 0.25 / q[tok, 0].norm(), rtol=1e-5)
+    assert torch.allclose(n[0, c, 1, r], 1 / k[tok, 0].norm(), rtol=1e-5)
+    assert (n[:, 0, :, 15:] == 0).all()  # the second sequence's one chunk holds 15 tokens
+
+
+@pytest.mark.parametrize("target", ["recur_v2_t_in_pack_x_raw_sigmoid", "recur_v2_t_in_pack_x_raw_softplus",
+                                    "recur_v2_t_in_pack_x_raw_log", "recur_v2_t_in_x_raw_sigmoid"])
+def test_ptx_raw_stage_2(target):
+    """The raw-tile stage 2 against its default (w in stage 2, same packing): the same wgmma (none more for the
+    transform) and the same bulk tensor copies (k, q, g where -X, qg, kgᵀ were) but one; three warpgroups whose
+    registers setmaxnreg moves to the math one; the transform's MUFU (one exp2 a factor, the gate's own) and its
+    halves' shuffle; no spills or local memory."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common.ptx_check import ptx_report
+
+    base = "recur_v2_t_in_pack_x" if "pack" in target else "recur_v2_t_in_x"
+    rep, ref = ptx_report("cula.kernels.sm90.kda_fwd", target), ptx_report("cula.kernels.sm90.kda_fwd", base)
+    assert rep.spill_bytes == 0 and ".local" not in rep.ptx
+    assert rep.count("wgmma.mma_async") == ref.count("wgmma.mma_async")
+    # g's box is two copies (a token's 128 keys are 256 bytes: two 128-byte-swizzle boxes), kgᵀ's one (64 tokens)
+    assert rep.count("cp.async.bulk.tensor") == ref.count("cp.async.bulk.tensor") + 1
+    assert rep.count("setmaxnreg.inc") == 1 and rep.count("setmaxnreg.dec") == 3
+    assert ".reqntid 384" in rep.ptx
+    n = raw.HALF * raw.PAIR  # a transform thread's elements
+    gate = target.rsplit("_", 1)[1]
+    # (and exp(A_log) once an item, except for the log-space gate)
+    assert rep.count("ex2.approx") - ref.count("ex2.approx") == {"sigmoid": 2 * n + 1, "softplus": 2 * n + 1,
+                                                                 "log": n}[gate]
+    assert rep.count("shfl.sync.bfly") - ref.count("shfl.sync.bfly") == raw.PAIR
+
+
+def _raw_case(dev, T, cu, H=1, HV=2, seed=5):
+    from tests.test_kernel_kda_fwd import _case
+
+    args, kw = _case(1, T, H, HV, cu, seed, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                     use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, safe_gate=True)
+    args = tuple(x.to(dev).bfloat16() for x in args)
+    kw = {n: (x.to(dev) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+    return args, kw
+
+
+def _run_raw(args, kw, scr, pack=False):
+    from cula.kernels.sm90 import kda_fwd_recur as recur
+
+    q, k, v, g, _ = (x[0] for x in args)
+    cu = kw["cu_seqlens"] if kw["cu_seqlens"] is not None else kda_fwd._fixed_cu_seqlens(1, q.shape[0], q.device)
+    chunks, seqs, _ = kda_fwd.chunk_tables(cu)
+    HV = g.shape[1]
+    norms = recur.raw_norms(q, k, chunks, HV, 128 ** -0.5)
+    rows = torch.cat([scr["aqk"], scr["tp"]], -1)
+    o, ht = recur.run_raw(q, k, g, v, norms, kw["A_log"], kw["dt_bias"], rows, scr["gam"], chunks, seqs,
+                          kw["initial_state"], True, "sigmoid", -5.0, pack=pack, max_ctas=5)
+    return o[None], ht
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,cu", [(300, None), (300, [0, 0, 15, 79, 200, 300]), (1, None)],
+                         ids=["fixed-T300", "varlen-zero", "T1"])
+def test_gpu_raw_stage_2_matches_the_default(T, cu, monkeypatch):
+    """Stage 2 forming qg, -X and kg from q, k, g on the default stage 1's [Aqk | T'] and γ (unpacked, GVA group 2,
+    five persistent CTAs walking every item) gives o and the final state of the default two stages within 1e-2
+    (the tiles differ from stage 1's by one bf16 step at ~0.03% of elements: the products against exp2 of the
+    cumulative gate), and is bitwise deterministic."""
+    dev = torch.device("cuda")
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    monkeypatch.setattr(kda_fwd, "W_IN_RECUR", True)
+    monkeypatch.setattr(kda_fwd, "PACK", "0")
+    args, kw = _raw_case(dev, T, cu)
+    o_d, ht_d, scr = kda_fwd.kda_fwd(*args, **kw, return_scratch=True)
+    o, ht = _run_raw(args, kw, scr)
+    o2, ht2 = _run_raw(args, kw, scr)
+    torch.cuda.synchronize()
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))  # noqa: E731
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert rel(o, o_d) < 1e-2 and rel(ht, ht_d) < 1e-2, (rel(o, o_d), rel(ht, ht_d))
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+
+
+@pytest.mark.gpu
+def test_gpu_raw_stage_2_ignores_the_next_sequence():
+    """A partial chunk's rows past its sequence's end hold the next sequence's q, k, g (TMA reads them): an Inf
+    planted there changes nothing, bitwise, in the first sequence's o and final state."""
+    dev = torch.device("cuda")
+    args, kw = _raw_case(dev, 200, [0, 100, 200])
+    o_d, ht_d, scr = kda_fwd.kda_fwd(*args, **kw, return_scratch=True)
+    o, ht = _run_raw(args, kw, scr)
+    bad = tuple(x.clone() for x in args)
+    for x in (bad[0], bad[1], bad[3]):
+        x[0, 100:110] = float("inf")
+    o_b, ht_b = _run_raw(bad, kw, scr)
+    torch.cuda.synchronize()
+    assert torch.equal(o_b[:, :100], o[:, :100]) and torch.equal(ht_b[0], ht[0])

@@ -42,7 +42,7 @@ SUFFIX = ".cuteaot.xz"
 NOT_KERNEL_SOURCES = frozenset({
     "common/aot_build.py", "common/ptx_check.py", "common/sass.py", "common/ncu_phases.py",
     "common/decode_host.py", "common/decode_tile.py",
-    "sm90/kda_fwd_check.py", "sm90/kda_fwd_profile.py", "sm90/kda_fwd_raw_tiles.py",
+    "sm90/kda_fwd_check.py", "sm90/kda_fwd_profile.py",
     "sm90/decode_bench.py", "sm90/decode_launch_probe.py", "sm90/decode_profile.py", "sm90/kda_decode.py",
     "sm90/lightning_decode.py", "sm90/lightning_fwd.py", "sm90/lightning_fwd_check.py",
 })

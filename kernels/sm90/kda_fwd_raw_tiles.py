@@ -10,30 +10,39 @@ factors 2^g'_s (s ≤ i) and 2^(Γ_C − Γ_i) the product of those after i. Sta
 row: the inverse row norms of q and k.
 
 A thread owns two key columns and one half of the chunk's rows (``HALF`` = 32): 64 column pairs × 2 halves are the
-warpgroup's 128 threads. Each half forms its local products; the halves then exchange totals (the upper half's
-prefix total scales the lower half's prefixes, the lower half's total scales the upper half's suffixes). The
-products and roundings are the scheme's, in its order; the per-token gate is stage 1's model's
+warpgroup's 128 threads, the two halves of a column pair in one warp. Each half forms its local products; the halves
+then exchange totals (the upper half's prefix total scales the lower half's prefixes, the lower half's total scales
+the upper half's suffixes). The products and roundings are the scheme's, in its order; the per-token gate is stage
+1's model's
 (``kda_fwd_intra_tc.gate_log2``). tests/test_kda_raw_tiles.py checks the model against that of stage 1
 (``kda_fwd_intra_tc.emulate``), and the DSL form (:class:`RawTiles`, run by :class:`RawTilesProbe` on one chunk)
-against the model under the CPU emulator. No kernel uses the DSL form yet: until stage 2 does, this file stays out
-of the kernels' AOT fingerprint (``aot.NOT_KERNEL_SOURCES``; tests/test_aot.py fails once a kernel imports it).
+against the model under the CPU emulator. Stage 2 runs it in ``kda_fwd_recur.KdaFwdRecurRaw`` (a warpgroup of its
+own); ``kda_fwd`` does not launch that yet (its stage 1 would first have to hand over the norms instead of the
+tiles).
 """
 
 from __future__ import annotations
+
+import math
 
 import cutlass
 import cutlass.cute as cute
 import torch
 
-from cula.kernels.sm90.kda_fwd_intra_tc import (
-    CHUNK, DK, L2NORM_EPS, LOG2E, RCP_LN2, SOFTPLUS_THRESHOLD, gate_log2,
-)
+# stage 1's constants (kda_fwd_intra_tc imports stage 2, which imports this file: not imported from there;
+# tests/test_kda_raw_tiles.py checks they are equal)
+CHUNK = 64
+DK = 128
+L2NORM_EPS = 1e-6
+RCP_LN2 = 1.0 / math.log(2.0)
+LOG2E = RCP_LN2
+SOFTPLUS_THRESHOLD = 20.0
 
 HALF = 32  # rows a transform thread walks: the chunk's two halves run on two threads
 PAIR = 2  # key columns a transform thread owns: a warp's 32 threads read 64 consecutive bf16 of a row (128 B)
 THREADS = (DK // PAIR) * (CHUNK // HALF)  # the transform warpgroup (128)
 GATES = ("sigmoid", "softplus", "log")  # lb·sigmoid(a(g + dt_bias)), FLA's softplus gate clamped at lb, log-space g
-BARRIER_ID = 1  # the probe's named barrier for the halves' exchange (stage 2 will pass its own)
+HALF_LANES = 16  # a warp's lanes per half: lanes 0-15 walk rows 0-31, lanes 16-31 rows 32-63 of the same columns
 
 
 def half_products(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +75,8 @@ def raw_tiles(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, keep: torch.Ten
     index (rows past a sequence's end hold anything finite), ``keep: [..., 64]`` bool, the rows inside it; ``a: [...]``
     exp(A_log) per head, ``dt_bias: [..., K]``. Returns ``qg`` (scale q̂ ⊙ 2^Γ), ``x`` (k̂ ⊙ 2^Γ: stage 1 stores its
     negation), ``kg`` (k̂ ⊙ 2^(Γ_C − Γ), stage 1 stores its transpose) in bf16 and ``gam`` (2^Γ_C, fp32, [..., K])."""
+    from cula.kernels.sm90.kda_fwd_intra_tc import gate_log2
+
     kf = keep[..., None].float()
     qf, kf_ = q.float() * kf, k.float() * kf
     nq = torch.full_like(qf[..., :1], scale)
@@ -87,17 +98,40 @@ F32 = cutlass.Float32
 BF16 = cutlass.BFloat16
 
 
+def first_column(tidx):
+    """The first of the ``PAIR`` key columns that thread ``tidx`` (0..127) of the transform warpgroup owns."""
+    return ((tidx // 32) * HALF_LANES + tidx % HALF_LANES) * PAIR
+
+
 class RawTiles:
     """One chunk's transform by a warpgroup, in place in shared memory: q → qg (scale q̂ ⊙ 2^Γ), k → −X (−k̂ ⊙ 2^Γ,
     stage 2's sign), g → kg (k̂ ⊙ 2^(Γ_C − Γ), token-major: the state update reads it MN-major). Tiles are
-    ``[64 tok, 128 k]`` bf16 tensors under any layout (coordinates only); ``sNq`` / ``sNk`` the rows' inverse norms
-    (fp32 [64], the scale folded into q's); ``sXch`` fp32 [2, 128] for the halves' totals. Rows at or past
-    ``nvalid`` come out zero, with a factor of one (Γ stops at the last valid row)."""
+    ``[64 tok, 128 k]`` bf16 tensors under any layout (coordinates only); ``nq`` / ``nk`` the rows' inverse norms
+    (fp32 [64], shared or global memory; the scale folded into q's). Rows at or past ``nvalid`` come out zero, with
+    a factor of one (Γ stops at the last valid row).
 
-    def __init__(self, gate: str = "sigmoid", barrier_id: int = BARRIER_ID, threads: int = THREADS):
+    Warp w's lanes 0-15 take rows 0-31 and lanes 16-31 rows 32-63 of the same 16 column pairs (``PAIR`` columns a
+    lane), so the halves' totals cross by one shuffle (no shared memory, no barrier). Both halves then read the
+    same columns of rows 32 apart, which the 128-byte swizzle maps to the same banks: two-way conflicts on the
+    transform's shared-memory accesses (a skew of the upper half's rows would remove them)."""
+
+    def __init__(self, gate: str = "sigmoid", swizzled: bool = False):
         if gate not in GATES:
             raise ValueError(f"gate: expected one of {GATES}, got {gate!r}")
-        self.gate, self.barrier_id, self.threads = gate, barrier_id, threads
+        self.gate = gate
+        # stage 2's tiles are 128-byte swizzled (S<3,4,3> on byte addresses), which the DSL's element access does
+        # not apply: the offsets are swizzled here (the probe's tiles are plain)
+        self.swizzled = swizzled
+
+    @cute.jit
+    def pair(self, base: cute.Pointer, layout: cute.Layout, r, c) -> cute.Tensor:
+        """The two bf16 at (token ``r``, key ``c`` and ``c + 1``) of a tile: ``base`` its (unswizzled) start,
+        ``layout`` its (token, key) layout, keys contiguous (the swizzle keeps 16-byte pieces whole)."""
+        off = cute.crd2idx((r, c), layout)
+        if cutlass.const_expr(self.swizzled):
+            lin = off * 2
+            off = (lin ^ (((lin >> 7) & 7) << 4)) // 2
+        return cute.make_tensor(base + off, cute.make_layout(PAIR))
 
     @cute.jit
     def factor(self, x: F32, dtb: F32, a_nl2e: F32, neg_a: F32, lb_log2: F32) -> F32:
@@ -118,35 +152,34 @@ class RawTiles:
         return cute.math.exp2(gl, fastmath=True)
 
     @cute.jit
-    def chunk(self, sQ: cute.Tensor, sK: cute.Tensor, sG: cute.Tensor, sNq: cute.Tensor, sNk: cute.Tensor,
-              sXch: cute.Tensor, dtb: cute.Tensor, nvalid, a_nl2e: F32, neg_a: F32, lb_log2: F32, tidx):
-        """The thread ``tidx`` (0..127) of the warpgroup: column pair ``tidx % 64``, half ``tidx // 64``; ``dtb``
-        its two columns' dt_bias (register tensor [2])."""
-        c0 = (tidx % (DK // PAIR)) * PAIR
-        half = tidx // (DK // PAIR)
+    def chunk(self, q_base: cute.Pointer, k_base: cute.Pointer, g_base: cute.Pointer, qk_layout: cute.Layout,
+              g_layout: cute.Layout, nq_rows: cute.Tensor, nk_rows: cute.Tensor, dtb: cute.Tensor, nvalid,
+              a_nl2e: F32, neg_a: F32, lb_log2: F32, tidx):
+        """The thread ``tidx`` (0..127) of the warpgroup; the tiles' starts and (token, key) layouts (q's and k's
+        alike); ``dtb`` its two columns' dt_bias (register tensor [2])."""
+        lane = tidx % 32
+        c0 = first_column(tidx)
+        half = lane // HALF_LANES
         r0 = half * HALF
         fac = cute.make_rmem_tensor(cute.make_layout((HALF, PAIR)), F32)
-        pre = cute.make_rmem_tensor(cute.make_layout((HALF, PAIR)), F32)
         run = cute.make_rmem_tensor(cute.make_layout(PAIR), F32)
         for j in cutlass.range_constexpr(PAIR):
             run[j] = F32(1.0)
-        # down the half: the factors and the local prefix products (the row itself included)
+        # down the half: the factors and the half's total (the prefixes are formed again below, in the same order:
+        # keeping them would take 64 more registers)
         for i in cutlass.range_constexpr(HALF):
+            g2 = self.pair(g_base, g_layout, r0 + i, c0)
             for j in cutlass.range_constexpr(PAIR):
                 f = F32(1.0)
                 if r0 + i < nvalid:
-                    f = self.factor(sG[(r0 + i, c0 + j)].to(F32), dtb[j], a_nl2e, neg_a, lb_log2)
+                    f = self.factor(g2[j].to(F32), dtb[j], a_nl2e, neg_a, lb_log2)
                 fac[i, j] = f
                 run[j] = run[j] * f
-                pre[i, j] = run[j]
-        for j in cutlass.range_constexpr(PAIR):
-            sXch[(half, c0 + j)] = run[j]
-        cute.arch.barrier(barrier_id=self.barrier_id, number_of_threads=self.threads)
         # the upper half's total scales the lower half's prefixes; the lower half's total the upper's suffixes
         pre_mul = cute.make_rmem_tensor(cute.make_layout(PAIR), F32)
         suf_mul = cute.make_rmem_tensor(cute.make_layout(PAIR), F32)
         for j in cutlass.range_constexpr(PAIR):
-            other = sXch[(1 - half, c0 + j)]
+            other = cute.arch.shuffle_sync_bfly(run[j], offset=HALF_LANES)
             pre_mul[j] = F32(1.0)
             suf_mul[j] = F32(1.0)
             if half == 0:
@@ -154,23 +187,35 @@ class RawTiles:
             else:
                 pre_mul[j] = other
             run[j] = F32(1.0)
-        # up the half: the suffix products (the row itself excluded), and the three tiles in place
+        # up the half: the suffix products (the row itself excluded) and kg in g's place
         for ii in cutlass.range_constexpr(HALF):
             i = HALF - 1 - ii
+            r = r0 + i
+            nk = F32(0.0)
+            if r < nvalid:
+                nk = nk_rows[r]
+            k2 = self.pair(k_base, qk_layout, r, c0)
+            g2 = self.pair(g_base, g_layout, r, c0)
+            for j in cutlass.range_constexpr(PAIR):
+                g2[j] = BF16((k2[j].to(F32) * nk) * (suf_mul[j] * run[j]))
+                run[j] = run[j] * fac[i, j]
+        # down again: the prefix products (the row itself included), qg and -X in q's and k's places
+        for j in cutlass.range_constexpr(PAIR):
+            run[j] = F32(1.0)
+        for i in cutlass.range_constexpr(HALF):
             r = r0 + i
             nq = F32(0.0)
             nk = F32(0.0)
             if r < nvalid:
-                nq = sNq[r]
-                nk = sNk[r]
+                nq = nq_rows[r]
+                nk = nk_rows[r]
+            q2 = self.pair(q_base, qk_layout, r, c0)
+            k2 = self.pair(k_base, qk_layout, r, c0)
             for j in cutlass.range_constexpr(PAIR):
-                qn = sQ[(r, c0 + j)].to(F32) * nq
-                kn = sK[(r, c0 + j)].to(F32) * nk
-                p = pre_mul[j] * pre[i, j]
-                sQ[(r, c0 + j)] = BF16(qn * p)
-                sK[(r, c0 + j)] = BF16(-(kn * p))
-                sG[(r, c0 + j)] = BF16(kn * (suf_mul[j] * run[j]))
                 run[j] = run[j] * fac[i, j]
+                p = pre_mul[j] * run[j]
+                q2[j] = BF16((q2[j].to(F32) * nq) * p)
+                k2[j] = BF16(-((k2[j].to(F32) * nk) * p))
 
 
 class RawTilesProbe:
@@ -178,7 +223,7 @@ class RawTilesProbe:
     into shared memory, transformed, copied out to qg, −X and kg; for the CPU emulator and the compile check."""
 
     def __init__(self, gate: str = "sigmoid"):
-        self.t = RawTiles(gate, BARRIER_ID, THREADS)
+        self.t = RawTiles(gate)
         self.gate = gate
 
     @cute.jit
@@ -206,7 +251,6 @@ class RawTilesProbe:
         sG = smem.allocate_tensor(BF16, tile, 16)
         sNq = smem.allocate_tensor(F32, cute.make_layout(CHUNK), 16)
         sNk = smem.allocate_tensor(F32, cute.make_layout(CHUNK), 16)
-        sXch = smem.allocate_tensor(F32, cute.make_layout((2, DK), stride=(DK, 1)), 16)
         for n in cutlass.range_constexpr(CHUNK * DK // THREADS):
             r = (n * THREADS + tidx) // DK
             c = (n * THREADS + tidx) % DK
@@ -217,14 +261,14 @@ class RawTilesProbe:
             sNq[tidx] = mNq[tidx]
             sNk[tidx] = mNk[tidx]
         cute.arch.sync_threads()
-        c0 = (tidx % (DK // PAIR)) * PAIR
+        c0 = first_column(tidx)
         dtb = cute.make_rmem_tensor(cute.make_layout(PAIR), F32)
         for j in cutlass.range_constexpr(PAIR):
             dtb[j] = mDtb[c0 + j]
             if cutlass.const_expr(self.gate == "softplus"):
                 dtb[j] = dtb[j] * F32(LOG2E)
-        self.t.chunk(sQ, sK, sG, sNq, sNk, sXch, dtb, nvalid, a_exp * F32(-RCP_LN2), -a_exp,
-                     lower_bound * F32(RCP_LN2), tidx)
+        self.t.chunk(sQ.iterator, sK.iterator, sG.iterator, tile, tile, sNq, sNk, dtb, nvalid,
+                     a_exp * F32(-RCP_LN2), -a_exp, lower_bound * F32(RCP_LN2), tidx)
         cute.arch.sync_threads()
         for n in cutlass.range_constexpr(CHUNK * DK // THREADS):
             r = (n * THREADS + tidx) // DK
