@@ -93,6 +93,13 @@ def test_s38_is_the_gpu_tests_then_s38_raw_then_s38_clock(tmp_path):
     assert cmds[1:] == dry_run(tmp_path / "a", "NVIDIA H100 80GB HBM3", "s38_raw", "s38_clock")
 
 
+def test_s39_raw_runs_the_raw_tile_gpu_tests_then_the_stage_2_bench(tmp_path):
+    cmds = dry_run(tmp_path, "NVIDIA H200", "s39_raw")
+    assert len(cmds) == 2
+    assert "-m gpu" in cmds[0] and "tests/test_kda_raw_tiles.py" in cmds[0]
+    assert "kda_fwd_recur --raw-bench" in cmds[1]
+
+
 def test_block32_checks_name_real_cases_then_splits(tmp_path):
     from cula.kernels.sm90.kda_fwd_check import CASES
 

@@ -233,6 +233,22 @@ def test_the_transform_uses_stage_ones_constants():
 
 
 # ---------------------------------------------------------------------- stage 2 with the raw tiles (KdaFwdRecurRaw)
+def test_pack_aqk_tp_inverts_unpack():
+    """pack_aqk_tp is the inverse of kda_fwd.unpack_aqk_tp on stage 1's shapes (Aqk and T' lower triangular,
+    diagonals included)."""
+    from cula.kernels.sm90 import kda_fwd_recur as recur
+
+    torch.manual_seed(2)
+    HV, NC = 2, 3
+    aqk = torch.randn(HV, NC, 64, 64).tril().bfloat16().reshape(HV, NC * 64, 64)
+    tp = torch.randn(HV, NC, 64, 64).tril().bfloat16().reshape(HV, NC * 64, 64)
+    gam = torch.rand(HV, NC, 128)
+    packed, rows = recur.pack_aqk_tp(aqk, tp, gam)
+    assert packed.shape == (HV, NC * 64, 64) and rows.shape == (HV, NC, 128 + 32)
+    back = kda_fwd.unpack_aqk_tp(packed, rows, 128)
+    assert torch.equal(back["aqk"], aqk) and torch.equal(back["tp"], tp) and torch.equal(back["gam"], gam)
+
+
 def test_raw_norms_are_the_rows_inverse_norms():
     """raw_norms' [HV, NC, 2, 64] layout: chunk c's row r is token chunks[c, 0] + r (its q head, repeated over the
     value heads of its group), zero past the chunk's end."""
@@ -294,18 +310,22 @@ def _run_raw(args, kw, scr, pack=False):
     chunks, seqs, _ = kda_fwd.chunk_tables(cu)
     HV = g.shape[1]
     norms = recur.raw_norms(q, k, chunks, HV, 128 ** -0.5)
-    rows = torch.cat([scr["aqk"], scr["tp"]], -1)
-    o, ht = recur.run_raw(q, k, g, v, norms, kw["A_log"], kw["dt_bias"], rows, scr["gam"], chunks, seqs,
+    rows, gam = torch.cat([scr["aqk"], scr["tp"]], -1), scr["gam"]
+    if pack:
+        rows, gam = recur.pack_aqk_tp(scr["aqk"], scr["tp"], scr["gam"])
+    o, ht = recur.run_raw(q, k, g, v, norms, kw["A_log"], kw["dt_bias"], rows, gam, chunks, seqs,
                           kw["initial_state"], True, "sigmoid", -5.0, pack=pack, max_ctas=5)
     return o[None], ht
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
 @pytest.mark.parametrize("T,cu", [(300, None), (300, [0, 0, 15, 79, 200, 300]), (1, None)],
                          ids=["fixed-T300", "varlen-zero", "T1"])
-def test_gpu_raw_stage_2_matches_the_default(T, cu, monkeypatch):
-    """Stage 2 forming qg, -X and kg from q, k, g on the default stage 1's [Aqk | T'] and γ (unpacked, GVA group 2,
-    five persistent CTAs walking every item) gives o and the final state of the default two stages within 1e-2
+def test_gpu_raw_stage_2_matches_the_default(T, cu, pack, monkeypatch):
+    """Stage 2 forming qg, -X and kg from q, k, g on the default stage 1's [Aqk | T'] and γ (unpacked, or packed
+    again as stage 1 packs them; GVA group 2, five persistent CTAs walking every item) gives o and the final state
+    of the default two stages within 1e-2
     (the tiles differ from stage 1's by one bf16 step at ~0.03% of elements: the products against exp2 of the
     cumulative gate), and is bitwise deterministic."""
     dev = torch.device("cuda")
@@ -314,8 +334,8 @@ def test_gpu_raw_stage_2_matches_the_default(T, cu, monkeypatch):
     monkeypatch.setattr(kda_fwd, "PACK", "0")
     args, kw = _raw_case(dev, T, cu)
     o_d, ht_d, scr = kda_fwd.kda_fwd(*args, **kw, return_scratch=True)
-    o, ht = _run_raw(args, kw, scr)
-    o2, ht2 = _run_raw(args, kw, scr)
+    o, ht = _run_raw(args, kw, scr, pack)
+    o2, ht2 = _run_raw(args, kw, scr, pack)
     torch.cuda.synchronize()
     rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))  # noqa: E731
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()

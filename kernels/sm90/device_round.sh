@@ -333,6 +333,12 @@ for s in $steps; do
         mode_splits clock3_split default clock default clock ;;
     s38_clock_test)  # session 38: the clock build at three CTAs bitwise the default, its stamps in order (GPU tests)
         step s38_clock_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_fwd_clock.py ;;
+    s39_raw)  # session 39: stage 2 with the raw tiles (KdaFwdRecurRaw, q, k, g in; kda_fwd does not launch it yet): its
+        # GPU tests (o and the final state against the default's, packed and unpacked, the next sequence's rows
+        # ignored), then stage 2 alone against the default's, interleaved, at B2 T16384 and B1 T8192 (~200 s: each
+        # raw build compiles on the device, ~40-60 s)
+        step s39_raw_test 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_raw_tiles.py
+        step s39_raw_bench 120 python3 -u -m cula.kernels.sm90.kda_fwd_recur --raw-bench ;;
     s38_raw)  # session 38: stage 1 at the three-CTA default without its qg / kgT and -X stores (no_qkx), and without
         # every scratch store (no_stores), against the default, twice in turn. Session 36's raw_premise ran these at
         # two CTAs (any diagnostic took the two-CTA build then) against the default at three (~110 s; AOT diag_no_qkx,

@@ -1731,6 +1731,74 @@ def run_raw(q, k, g, v, norms, A_log, dt_bias, aqk_rows, gam, chunks, seqs, init
     return o, (ht[:N] if output_final_state else None)
 
 
+def pack_aqk_tp(aqk, tp, gam):
+    """The unpacked [Aqk], [T'] rows ([HV, NC*64, 64] bf16) and γ ([HV, NC, 128] fp32) as stage 1 packs them
+    (the inverse of ``kda_fwd.unpack_aqk_tp``): Aqk on and below each chunk's diagonal, T' transposed above it,
+    and γ's rows followed by T''s diagonal as 64 bf16."""
+    import torch
+
+    HV, R, _ = aqk.shape
+    a = aqk.view(HV, R // CHUNK, CHUNK, CHUNK)
+    t = tp.view(HV, R // CHUNK, CHUNK, CHUNK)
+    packed = a.tril() + t.transpose(-1, -2).triu(1)
+    diag = torch.diagonal(t, dim1=-2, dim2=-1).contiguous().view(torch.float32)  # 64 bf16 as 32 fp32
+    return packed.reshape(HV, R, CHUNK).contiguous(), torch.cat([gam, diag], -1).contiguous()
+
+
+def bench_raw(shapes=((2, 16384, 64), (1, 8192, 64)), reps: int = 30) -> list[dict]:
+    """Stage 2 alone, the default (w in stage 2, packed) against the raw tiles (:class:`KdaFwdRecurRaw`, packed),
+    interleaved rep by rep, L2 flushed before each launch; on the inputs of the ``kda`` suite (in-kernel gate,
+    lower bound -5, l2norm, beta sigmoid, fp32 initial and final state). Prints and returns the medians."""
+    import torch
+
+    from cula.kernels.sm90 import kda_fwd as kf
+
+    dev = torch.device("cuda")
+    flush = torch.empty(1 << 28, dtype=torch.float32, device=dev)
+    rows = []
+    for B, T, HV in shapes:
+        gen = torch.Generator(device=dev).manual_seed(0)
+
+        def r(*shape):
+            return torch.randn(*shape, generator=gen, device=dev)
+
+        q, k, v, g = (r(B, T, HV, DK).bfloat16() for _ in range(4))
+        beta = r(B, T, HV).bfloat16()
+        kw = dict(initial_state=0.1 * r(B, HV, DK, DV), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  use_gate_in_kernel=True, A_log=0.5 * r(HV), dt_bias=0.1 * r(HV * DK),
+                  use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+        _, _, scr = kf.kda_fwd(q, k, v, g, beta, **kw, return_scratch=True)
+        packed, gam = pack_aqk_tp(scr["aqk"], scr["tp"], scr["gam"])
+        cu = kf._fixed_cu_seqlens(B, T, dev)
+        chunks, seqs, _ = kf.chunk_tables(cu)
+        flat = [x.reshape(B * T, HV, -1) for x in (q, k, g, v)]
+        norms = raw_norms(flat[0], flat[1], chunks, HV, DK ** -0.5)
+
+        def default():
+            kf.kda_fwd(q, k, v, g, beta, **kw, stages=("recur",))
+
+        def rawt():
+            run_raw(flat[0], flat[1], flat[2], flat[3], norms, kw["A_log"], kw["dt_bias"], packed, gam, chunks, seqs,
+                    kw["initial_state"], True, "sigmoid", -5.0, pack=True)
+
+        times = {"default": [], "raw": []}
+        for fn in (default, rawt):
+            fn()  # compile, warm
+        for _ in range(reps):
+            for name, fn in (("default", default), ("raw", rawt)):
+                flush.zero_()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                torch.cuda.synchronize()
+                times[name].append(a.elapsed_time(b))
+        row = dict(B=B, T=T, HV=HV, **{f"{n}_ms": sorted(t)[len(t) // 2] for n, t in times.items()})
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
 def synthetic_scratch(HV: int, num_chunks: int, device, seed: int = 0) -> dict:
     """Random scratch of stage-1 magnitudes for timing (state stays bounded: γ < 1, small w and kg)."""
     import torch
@@ -1791,6 +1859,9 @@ def main(argv: list[str]) -> int:
 
     if "--layout-facts" in argv:  # run with CUTE_DSL_ARCH=sm_90a set before Python starts
         print(json.dumps(layout_facts()))
+        return 0
+    if "--raw-bench" in argv:  # stage 2 with the raw tiles against the default (GPU)
+        bench_raw()
         return 0
     if "--bench" in argv:
         shapes = BENCH_SHAPES
