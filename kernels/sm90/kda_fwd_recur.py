@@ -120,12 +120,13 @@ PACK_BARRIER = 3  # pack: the math threads' masking of a stage's two copies of t
 # raw_in: warpgroup 1 (warps 4-7) forms qg, -X and kg in shared memory from q, k and g (kda_fwd_raw_tiles); the TMA
 # warp is warp 8, its warpgroup's other three idle. Hopper allocates registers by warpgroup, so 9 warps would launch
 # at 168 a thread (384 threads' worth) with the math spilling: setmaxnreg gives the math warpgroup what the default
-# has (<= 232) from the other two.
+# has (222) from the TMA warpgroup, and the transform 216: 224 + 216 + 64 = 3 x 168, the launch's pool (a
+# setmaxnreg.dec above the launch's count is an illegal instruction: H100, session 39).
 RAW_THREADS = 128
 RAW_FIRST_THREAD = V2_MATH_THREADS
 RAW_TMA_WARP = 8
 RAW_BLOCK = 3 * 128
-RAW_MATH_REGS = 232
+RAW_MATH_REGS = 224
 RAW_TRANSFORM_REGS = 216
 RAW_TMA_REGS = 64
 #: pack (session 29): γ's row in floats, γ's DK then T''s diagonal as 64 bf16 (stage 1 writes both)
@@ -912,7 +913,7 @@ class KdaFwdRecur:
                 if warp_idx > RAW_TMA_WARP:
                     cute.arch.warpgroup_reg_dealloc(RAW_TMA_REGS)  # the TMA warpgroup's idle warps
                 elif warp_idx >= V2_WARPS:
-                    cute.arch.warpgroup_reg_dealloc(RAW_TRANSFORM_REGS)
+                    cute.arch.warpgroup_reg_alloc(RAW_TRANSFORM_REGS)  # (above the launch's 168: an increase)
                     self.transform_v2(tidx - RAW_FIRST_THREAD, cta, n_ctas, n_items, dims, pipe, tpipe, mChunks, mSeq,
                                       q_raw, k_raw, g_raw, qk_tile, g_tile, mNrm, mAlog, mDtb, lower_bound)
                 else:
