@@ -282,7 +282,10 @@ def test_ptx_raw_stage_2(target):
     assert rep.count("wgmma.mma_async") == ref.count("wgmma.mma_async")
     # g's box is two copies (a token's 128 keys are 256 bytes: two 128-byte-swizzle boxes), kgᵀ's one (64 tokens)
     assert rep.count("cp.async.bulk.tensor") == ref.count("cp.async.bulk.tensor") + 1
-    assert rep.count("setmaxnreg.inc") == 1 and rep.count("setmaxnreg.dec") == 3
+    # the math and transform warpgroups raise theirs above the launch's 168 (a decrease there is an illegal
+    # instruction: H100, session 39), the TMA warp and its warpgroup's idle warps lower theirs
+    assert rep.count("setmaxnreg.inc") == 2 and rep.count("setmaxnreg.dec") == 2
+    assert "setmaxnreg.inc.sync.aligned.u32 216" in rep.ptx and "setmaxnreg.inc.sync.aligned.u32 224" in rep.ptx
     assert ".reqntid 384" in rep.ptx
     n = raw.HALF * raw.PAIR  # a transform thread's elements
     gate = target.rsplit("_", 1)[1]

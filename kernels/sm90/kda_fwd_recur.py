@@ -220,8 +220,9 @@ class KdaFwdRecur:
             raise ValueError("x_in (CULA_KDA_W_IN_RECUR): needs t_in (u in stage 2), got t_in=False")
         self.x_in = x_in
         # "raw tiles" (kda_fwd_raw_tiles; stage 1 then stores neither qg, kgᵀ nor -X): the TMA warp loads q, k and g
-        # where it loaded qg, -X and kgᵀ, plus the rows' inverse norms, and a transform warpgroup forms qg, -X and kg
-        # in place (kg token-major: the state update reads it MN-major) before the math warps read the stage
+        # where it loaded qg, -X and kgᵀ, and a transform warpgroup forms qg, -X and kg in place (kg token-major: the
+        # state update reads it MN-major; the rows' inverse norms read from global memory) before the math warps
+        # read the stage
         if raw_in and not x_in:
             raise ValueError("raw_in (raw tiles): needs x_in (w in stage 2), got x_in=False")
         if raw_in and variant != "v2":
@@ -940,6 +941,8 @@ class KdaFwdRecur:
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         c0 = raw_first_column(ttid)
         dtb = cute.make_rmem_tensor(cute.make_layout(RAW_PAIR), f32)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # the norms are stage 1's output (once it writes them)
         lb_log2 = lower_bound * f32(RAW_RCP_LN2)
         for item in cutlass.range(cta, n_items, n_ctas, unroll=1):
             vtile, hv, seq = _item_coords(item, dims)
