@@ -360,3 +360,40 @@ def test_gpu_raw_stage_2_ignores_the_next_sequence():
     o_b, ht_b = _run_raw(bad, kw, scr)
     torch.cuda.synchronize()
     assert torch.equal(o_b[:, :100], o[:, :100]) and torch.equal(ht_b[0], ht[0])
+
+
+# ---------------------------------------------------------------------- stage 1 handing over the norms (raw_out)
+def test_raw_out_needs_w_in_stage_2_and_the_l2norm():
+    pytest.importorskip("cutlass")
+    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
+
+    with pytest.raises(ValueError, match="raw_out"):
+        intra_tc.KdaFwdIntraTC(True, True, True, True, False, 1, t_out=True, raw_out=True)  # no x_out
+    with pytest.raises(ValueError, match="use_qk_l2norm"):
+        intra_tc.KdaFwdIntraTC(False, True, True, True, False, 1, t_out=True, x_out=True, raw_out=True)
+
+
+@pytest.mark.parametrize("target, base", [
+    ("intra_tc_t_out_block32_pack_x_ctas3_raw", "intra_tc_t_out_block32_pack_x_ctas3"),
+    ("intra_tc_t_out_block32_x_ctas3_raw", "intra_tc_t_out_block32_x_ctas3")])
+def test_ptx_raw_out_stage_1_is_leaner(target, base):
+    """Stage 1 for the raw tiles (the three-CTA defaults, packed and unpacked): qg, kgᵀ and -X neither stored nor
+    (kgᵀ) formed; the rows' norms leave as two 32-byte vectors a half-warp; no spills, within the 168 registers of
+    three CTAs; the same products (wgmma) and bulk copies; fewer exp2 (kgᵀ's factors) and fp32 multiplies; and
+    (where ptxas and cuobjdump are at hand) at least 500 SASS instructions a thread fewer (session 39: 4,800 →
+    4,080 packed, 4,544 → 3,912 unpacked)."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common import sass
+    from cula.kernels.common.ptx_check import ptx_report
+
+    rep, ref = ptx_report("cula.kernels.sm90.kda_fwd", target), ptx_report("cula.kernels.sm90.kda_fwd", base)
+    assert rep.spill_bytes == 0 and ".local" not in rep.ptx and rep.max_registers <= 168
+    assert rep.count("wgmma.mma_async") == ref.count("wgmma.mma_async")
+    assert rep.count("cp.async.bulk.tensor") == ref.count("cp.async.bulk.tensor")
+    assert rep.count("st.global") <= ref.count("st.global") - 10
+    assert rep.count("st.global.v4.f32") >= ref.count("st.global.v4.f32") + 4  # the norms (2 x 2 x 16 B)
+    assert rep.count("ex2.approx") < ref.count("ex2.approx")
+    assert rep.count("mul.f32") <= ref.count("mul.f32") - 256
+    if sass.find_cuobjdump() and __import__("shutil").which("ptxas"):
+        n_rep, n_ref = (len(sass.parse(sass.sass_of(r.ptx))) for r in (rep, ref))
+        assert n_rep <= n_ref - 500, (n_rep, n_ref)

@@ -286,6 +286,7 @@ class KdaFwdIntraTC:
         ctas: int = CTAS_MODES[0],
         widen: str = WIDEN_MODES[0],
         kgt: str = KGT_MODES[0],
+        raw_out: bool = False,
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -322,6 +323,13 @@ class KdaFwdIntraTC:
         if x_out and not t_out:
             raise ValueError("x_out (CULA_KDA_W_IN_RECUR): needs t_out (u in stage 2), got t_out=False")
         self.x_out = x_out
+        # raw tiles (kda_fwd_raw_tiles, session 39): stage 2 forms qg, -X and kg from q, k, g, so none of them is
+        # stored (kgᵀ not even formed); the rows' inverse norms leave instead, [HV, NC, 2, 64] fp32 (q's times the
+        # scale, then k's) through the kgᵀ pointer
+        if raw_out and not (x_out and use_qk_l2norm):
+            raise ValueError(f"raw_out (raw tiles): needs x_out and use_qk_l2norm, got x_out={x_out}, "
+                             f"use_qk_l2norm={use_qk_l2norm}")
+        self.raw_out = raw_out
         # CTAs per SM (CTAS): 3 drops the X, v and 48-row B' tiles, which only x_out with 32-row blocks leaves dead
         if ctas not in CTAS_MODES:
             raise ValueError(f"ctas (CULA_KDA_TC_CTAS): expected one of {CTAS_MODES}, got {ctas!r}")
@@ -1132,6 +1140,10 @@ class KdaFwdIntraTC:
         x_head = None
         if cutlass.const_expr(self.lean_smem):
             x_head = pXd + (hv * R + row0) * DK
+        nrm_q = nrm_k = None
+        if cutlass.const_expr(self.raw_out):
+            nrm_q = cute.make_rmem_tensor(cute.make_layout(rpt), F32)
+            nrm_k = cute.make_rmem_tensor(cute.make_layout(rpt), F32)
         for rr in cutlass.range_constexpr(rpt):
             r = r0 + rr
             keep = F32(1.0)  # rows past the end: q̂ = k̂ = 0 (so Ka, Qa, K̃, K̂, X, qg, kg are zero)
@@ -1175,10 +1187,12 @@ class KdaFwdIntraTC:
                 kt[c] = rk[c] * fb
                 if cutlass.const_expr(kgt_ref):
                     bp[c] = kt[c] * fpair[c]  # block 0: k̂ 2^(R − Γ) <= |k̂|; block 1: K̃
-                    kgt[c, rr] = (bp[c] * fk[c]).to(BF16)  # k̂ 2^(Γ_last − Γ)
+                    if cutlass.const_expr(not self.raw_out):
+                        kgt[c, rr] = (bp[c] * fk[c]).to(BF16)  # k̂ 2^(Γ_last − Γ)
                 else:
-                    kh[c] = kt[c] * fh[c]  # k̂ 2^(E − Γ) <= |k̂|
-                    kgt[c, rr] = (kh[c] * fk[c]).to(BF16)  # k̂ 2^(Γ_last − Γ)
+                    if cutlass.const_expr(not self.raw_out):
+                        kh[c] = kt[c] * fh[c]  # k̂ 2^(E − Γ) <= |k̂|
+                        kgt[c, rr] = (kh[c] * fk[c]).to(BF16)  # k̂ 2^(Γ_last − Γ)
                     if cutlass.const_expr(fbk != SUB):
                         bp[c] = kt[c] * fpair[c]
                 if cutlass.const_expr(square):  # k 2^Γ and q 2^Γ as (k 2^(Γ−C)) 2^C, (q 2^(Γ−C)) 2^C
@@ -1199,7 +1213,8 @@ class KdaFwdIntraTC:
             _st8(a_layout, qa_raw, (r, d0, 0), obf)
             obf.store(kt.load().to(BF16))
             _st8(kt_layout, kt_raw, (r, d0, 0), obf)
-            if cutlass.const_expr(self.lean_smem and not self.pack):  # -X to the w rows (below, this tile spilled 8 B)
+            if cutlass.const_expr(self.lean_smem and not self.pack and not self.raw_out):  # -X to the w rows (below,
+                # this tile spilled 8 B)
                 obf.store(xx.load().to(BF16))
                 self.store_x_row(x_head, r * DK + d0, obf, scale)
             if cutlass.const_expr(fbk == SUB):
@@ -1210,26 +1225,39 @@ class KdaFwdIntraTC:
                 if warp < 2:  # rows 0..31: the off-diagonal block's B operand, into the 32-row B' tile
                     obf.store(bp.load().to(BF16))
                     _st8(kb2_layout, kb_raws[1], (r, d0, 0), obf)
-            if cutlass.const_expr(self.lean_smem and self.pack):  # -X to the w rows (above, this tile spilled 40 B)
+            if cutlass.const_expr(self.raw_out):
+                pass  # (stage 2 forms -X and qg)
+            elif cutlass.const_expr(self.lean_smem and self.pack):  # -X to the w rows (this tile spilled 40 B)
                 obf.store(xx.load().to(BF16))
                 self.store_x_row(x_head, r * DK + d0, obf, scale)
             elif cutlass.const_expr(not self.lean_smem):
                 obf.store(xx.load().to(BF16))
                 _st8(x_layout, x_raw, (d0, r, 0), obf)
-            obf.store(qg.load().to(BF16))
-            if cutlass.const_expr("no_qg_kgt" in self.diag):
-                if scale < F32(0.0):  # never (timing only): formed, not stored
+            if cutlass.const_expr(self.raw_out):
+                nrm_q[rr] = nq
+                nrm_k[rr] = nk
+            else:
+                obf.store(qg.load().to(BF16))
+                if cutlass.const_expr("no_qg_kgt" in self.diag):
+                    if scale < F32(0.0):  # never (timing only): formed, not stored
+                        _vec(qg_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
+                else:
                     _vec(qg_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
-            else:
-                _vec(qg_head, r * DK + d0, COLS_PER_THREAD).store(obf.load())
-        # kgᵀ: this thread's 8 rows are 8 consecutive tokens of one column: one 16-byte store each
-        for c in cutlass.range_constexpr(COLS_PER_THREAD):
-            dst = _vec(pKGT, (hv * DK + d0 + c) * R + row0 + r0, rpt)
-            if cutlass.const_expr("no_qg_kgt" in self.diag):
-                if scale < F32(0.0):
+        if cutlass.const_expr(self.raw_out):
+            # the half-warp's lanes hold the same 8 rows' norms: its first lane stores them, q's then k's (2 x 32 B)
+            if d0 == 0:
+                p_nrm = cute.recast_ptr(pKGT, dtype=F32) + (hv * NC + chunk) * (2 * CHUNK)
+                _vec(p_nrm, r0, rpt).store(nrm_q.load())
+                _vec(p_nrm, r0 + CHUNK, rpt).store(nrm_k.load())
+        else:
+            # kgᵀ: this thread's 8 rows are 8 consecutive tokens of one column: one 16-byte store each
+            for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                dst = _vec(pKGT, (hv * DK + d0 + c) * R + row0 + r0, rpt)
+                if cutlass.const_expr("no_qg_kgt" in self.diag):
+                    if scale < F32(0.0):
+                        dst.store(kgt[c, None].load())
+                else:
                     dst.store(kgt[c, None].load())
-            else:
-                dst.store(kgt[c, None].load())
         if grp == 0:
             gam_out = cute.make_rmem_tensor(cute.make_layout(COLS_PER_THREAD), F32)
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
@@ -1239,7 +1267,7 @@ class KdaFwdIntraTC:
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.sync_threads()
         self.stamp(ts, "phase2", tidx)
-        if cutlass.const_expr(self.x_out and not self.lean_smem):  # -X is complete: it leaves now, under phases 3-4
+        if cutlass.const_expr(self.x_out and not self.lean_smem and not self.raw_out):  # -X leaves, under phases 3-4
             self.store_tile(tma_w, tW, sX, hv, (DK, CHUNK), (0, None), chunk, "no_wu_store" in self.diag, scale, warp,
                             lane)
         if cutlass.const_expr(fbk == SUB):
@@ -1868,6 +1896,11 @@ def compile_targets():
         "t_out_block32_pack_x_ctas3_no_stores": build(cutlass.BFloat16, **full, t_out=True, factor_block=32,
                                                       pack=True, x_out=True, ctas=3,
                                                       diag=("no_qg_kgt", "no_wu_store", "no_aqk_store")),
+        # raw tiles (session 39): the three-CTA defaults storing the rows' norms instead of qg, kgᵀ and -X
+        "t_out_block32_x_ctas3_raw": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, x_out=True, ctas=3,
+                                           raw_out=True),
+        "t_out_block32_pack_x_ctas3_raw": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
+                                                x_out=True, ctas=3, raw_out=True),
         # FLA's safe_gate with precomputed (log-space) gates, fp32 as its gate kernels write them
         "log_gate": build(cutlass.Float32, **{**full, "has_a_log": False, "has_dt_bias": False}, log_gate=True),
     }
