@@ -397,3 +397,65 @@ def test_ptx_raw_out_stage_1_is_leaner(target, base):
     if sass.find_cuobjdump() and __import__("shutil").which("ptxas"):
         n_rep, n_ref = (len(sass.parse(sass.sass_of(r.ptx))) for r in (rep, ref))
         assert n_rep <= n_ref - 500, (n_rep, n_ref)
+
+
+# ---------------------------------------------------------------------- kda_fwd with the raw tiles (RAW_TILES)
+@pytest.mark.parametrize("pack", ["0", "1"], ids=["unpacked", "packed"])
+def test_host_path_raw_tiles(monkeypatch, pack):
+    """CULA_KDA_RAW_TILES: stage 1 compiles with raw_out and writes the norms through its kgᵀ pointer into a
+    [HV, NC, 2, 64] fp32 buffer (its qg and w pointers the same buffer, never written); stage 2 is the raw-tile
+    kernel reading the caller's k, q, g, that buffer, A_log and dt_bias, the [Aqk | T'] rows and γ stage 1 wrote,
+    v, with the group and the lower bound; off (the default), neither key changes. The SIMT stage 1 never takes it."""
+    pytest.importorskip("cutlass")
+    from _kda_host import record_kda_launches
+
+    from tests.test_kernel_kda_fwd import _case
+
+    calls = record_kda_launches(monkeypatch)
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    monkeypatch.setattr(kda_fwd, "W_IN_RECUR", True)
+    monkeypatch.setattr(kda_fwd, "PACK", pack)
+    flags = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                 lower_bound=-5.0, safe_gate=True)
+    args, kw = _case(1, 600, 1, 2, None, seed=2, **flags)  # 10 chunks, GVA group 2
+    args = tuple(x.bfloat16() for x in args)
+    kda_fwd.kda_fwd(*args, **kw)
+    (_, key1d, _, _), (kind2d, key2d, _, _) = calls
+    assert kind2d == "recur" and "raw_out" not in dict(key1d[0])
+    calls.clear()
+    monkeypatch.setattr(kda_fwd, "RAW_TILES", True)
+    kda_fwd.kda_fwd(*args, **kw)
+    (kind1, key1, _, v1), (kind2, key2, specs2, v2) = calls
+    assert kind1 == "intra_tc" and dict(key1[0])["raw_out"] is True
+    assert kind2 == "recur_raw" and key2[2] == "sigmoid" and "t_in" not in dict(key2[0])
+    assert dict(key2[0]).get("pack", False) == (pack == "1")
+    q, k, v, g, _ = args
+    nrm_ptr = v1[12]  # stage 1's kgᵀ pointer
+    assert v1[8] == v1[10] == nrm_ptr  # w and qg: the same buffer
+    assert v2[:4] == (k.data_ptr(), q.data_ptr(), g.data_ptr(), nrm_ptr)
+    assert v2[4] == kw["A_log"].data_ptr() and v2[5] == kw["dt_bias"].data_ptr()
+    assert v2[6] == v1[11] and v2[8] == v1[13]  # [Aqk | T'] and γ as stage 1 wrote them
+    assert v2[7] == v.data_ptr()
+    assert v2[-3:-1] == (2, -5.0) and len(v2) == len(specs2)
+    calls.clear()
+    kda_fwd.kda_fwd(*args, **{**kw, "use_qk_l2norm_in_kernel": False})  # the SIMT stage 1
+    assert [c[0] for c in calls] == ["intra", "recur"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,cu", [(300, None), (300, [0, 0, 15, 79, 200, 300]), (1000, [0, 1, 1000])],
+                         ids=["fixed-T300", "varlen-zero", "varlen-1-999"])
+def test_gpu_raw_tiles_pipeline_matches_the_default(T, cu, monkeypatch):
+    """kda_fwd with the raw tiles (stage 1 writing the norms, stage 2 forming the tiles) gives o and the final state
+    of the default within 1e-2 (the products against exp2 of the cumulative gate: one bf16 step at ~0.03% of the
+    tiles' elements), bitwise on a rerun; packed and unpacked as the default picks."""
+    dev = torch.device("cuda")
+    args, kw = _raw_case(dev, T, cu)
+    o_d, ht_d = kda_fwd.kda_fwd(*args, **kw)
+    monkeypatch.setattr(kda_fwd, "RAW_TILES", True)
+    o, ht = kda_fwd.kda_fwd(*args, **kw)
+    o2, ht2 = kda_fwd.kda_fwd(*args, **kw)
+    torch.cuda.synchronize()
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))  # noqa: E731
+    assert rel(o, o_d) < 1e-2 and rel(ht, ht_d) < 1e-2, (rel(o, o_d), rel(ht, ht_d))
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)

@@ -81,6 +81,11 @@ PACK = __import__("os").environ.get("CULA_KDA_PACK")
 #: stage 1 -3.3%, stage 2 +3 to +4% at B2 T16384, the n20 T4096 rows -0.9 to -1.5%; the 18 checks (unpacked and
 #: packed) and 18 GPU tests pass. On by default; ``CULA_KDA_W_IN_RECUR=0`` turns it off.
 W_IN_RECUR = __import__("os").environ.get("CULA_KDA_W_IN_RECUR", "1") == "1"
+#: "Raw tiles" (session 39, opt-in, not yet run on a GPU): stage 1 stores the rows' inverse norms instead of qg, kgᵀ
+#: and -X (``raw_out``) and stage 2 forms those tiles from q, k and g in a warpgroup of its own
+#: (``kda_fwd_recur.KdaFwdRecurRaw``). Needs w in stage 2, the l2norm and a bf16 gate; on the H100 the stores it
+#: removes cost stage 1 20% (session 39's ``s38_raw``). ``CULA_KDA_RAW_TILES=1`` turns it on.
+RAW_TILES = __import__("os").environ.get("CULA_KDA_RAW_TILES", "0") == "1"
 PACK_ABOVE_CHUNKS = 7  # = kda_fwd_recur.STATE_SMEM_MAX_CHUNKS (tests check it)
 
 
@@ -492,6 +497,21 @@ def _recur_specs(o_dt) -> tuple:
     return (*(ArgSpec("ptr", d, a) for d, a in ptrs), *(ArgSpec("i32") for _ in range(5)), ArgSpec("stream"))
 
 
+@functools.cache
+def _recur_raw_specs(o_dt) -> tuple:
+    """Runtime arguments of the raw-tile recurrence (``KdaFwdRecurRaw``), as ``kda_fwd_recur.fake_args(raw=True)``
+    compiles them."""
+    import cutlass
+
+    from cula.kernels.common.fast_launch import ArgSpec
+
+    bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+    ptrs = [(bf16, 16)] * 3 + [(f32, 16), (f32, 4), (f32, 4), (bf16, 16), (bf16, 16), (f32, 16), (i32, 8), (i32, 8),
+                               (o_dt, 16), (f32, 16), (f32, 16)]
+    return (*(ArgSpec("ptr", d, a) for d, a in ptrs), *(ArgSpec("i32") for _ in range(6)), ArgSpec("f32"),
+            ArgSpec("stream"))
+
+
 def _launcher(kind: str, key: tuple, make_kernel: Callable, specs: tuple):
     """The compiled kernel of ``(kind, key)`` behind a Launcher (one compile per static flag set)."""
     hit = _LAUNCHERS.get((kind, key))
@@ -611,15 +631,22 @@ def kda_fwd(
     u_split = U_IN_RECUR and tc_v2 and not fla_factors
     pack = u_split and use_pack(N, NC)
     x_split = u_split and W_IN_RECUR  # w in stage 2: the w buffer holds -X
-    w = torch.empty(HV, R, K, dtype=bf16, device=dev)
+    # raw tiles: stage 1 writes only the norms ([HV, NC, 2, 64] fp32, through the kgᵀ pointer; the qg and w
+    # pointers get the same buffer, never written), stage 2 reads q, k, g
+    raw = (RAW_TILES and x_split and kind == "tc" and bool(use_qk_l2norm_in_kernel) and g.dtype == bf16
+           and v.dtype == bf16 and not return_scratch)
+    if raw:
+        nrm = torch.empty(HV, NC, 2, CHUNK, dtype=torch.float32, device=dev)
+    w = torch.empty(HV, R, K, dtype=bf16, device=dev) if not raw else nrm
     u = None if u_split else torch.empty(HV, R, V, dtype=bf16, device=dev)
     # with fla_factors stage 1 writes bf16(T) right after qg in the same buffer (kda_fwd_intra_tc.emit_akk)
-    qg_akk = torch.empty(HV * R * (K + (CHUNK if fla_factors else 0)), dtype=bf16, device=dev)
-    qg = qg_akk[:HV * R * K].view(HV, R, K)
+    qg_akk = (torch.empty(HV * R * (K + (CHUNK if fla_factors else 0)), dtype=bf16, device=dev) if not raw
+              else nrm)
+    qg = qg_akk[:HV * R * K].view(HV, R, K) if not raw else nrm
     # Aqk (| T'), or the packed tile
     aqk_tp = torch.empty(HV, R, 2 * CHUNK if u_split and not pack else CHUNK, dtype=bf16, device=dev)
     aqk = aqk_tp[..., :CHUNK]
-    kgt = torch.empty(HV, K, R, dtype=bf16, device=dev)
+    kgt = torch.empty(HV, K, R, dtype=bf16, device=dev) if not raw else nrm
     if kind == "tc" and "intra" in stages and _stage1_clock():
         gam = _clock_buffer(HV, NC, recur.GAM_PITCH_PACK if pack else K, chunks, dev)
     else:
@@ -627,6 +654,9 @@ def kda_fwd(
     dummy = _dummy(dev)
     a_log = A_log.float().contiguous() if (use_gate_in_kernel and A_log is not None) else dummy
     dtb = dt_bias.float().contiguous() if (use_gate_in_kernel and dt_bias is not None) else dummy
+    if raw:  # the transform reads A_log and dt_bias whatever the gate (zeros: A = 1, no bias)
+        raw_alog = a_log if a_log is not dummy else torch.zeros(HV, dtype=torch.float32, device=dev)
+        raw_dtb = dtb if dtb is not dummy else torch.zeros(HV * K, dtype=torch.float32, device=dev)
     stream = current_stream_handle(dev.index if dev.index is not None else torch.cuda.current_device())
     _check_aligned((qf, 16), (kf, 16), (vf, 16), (gf, 16), (bf, 4), (a_log, 4), (dtb, 4), (o, 16),
                    *(((h0, 16),) if h0 is not None else ()))
@@ -660,6 +690,20 @@ def kda_fwd(
                               "(timing only)", stacklevel=2)
                 rflags.update(diag=recur.RECUR_DIAG)
         ssm = variant == "v2" and recur.use_state_smem(N, NC, h_in is not None or h_out is not None)
+        if raw:
+            gate = "log" if log_tc else ("softplus" if softplus_tc else "sigmoid")
+            for name in ("t_in", "x_in"):
+                rflags.pop(name)
+            launcher = _launcher("recur_raw", (tuple(sorted(rflags.items())), o_dt, gate, pf, pdl, ssm),
+                                 lambda: recur.KdaFwdRecurRaw(**rflags, gate=gate, h0_prefetch=pf, pdl=pdl,
+                                                              state_smem=ssm),
+                                 _recur_raw_specs(o_dt))
+            launcher(
+                kf.data_ptr(), qf.data_ptr(), gf.data_ptr(), nrm.data_ptr(), raw_alog.data_ptr(), raw_dtb.data_ptr(),
+                aqk.data_ptr(), u_in.data_ptr(), gam.data_ptr(), chunks.data_ptr(), seqs.data_ptr(), o_out.data_ptr(),
+                (h_in if h_in is not None else dummy).data_ptr(), (h_out if h_out is not None else dummy).data_ptr(),
+                TT, HV, NC, N, sm_count(dev), HV // H, lb, stream_handle)
+            return
         launcher = _launcher("recur", (tuple(sorted(rflags.items())), o_dt, variant, pf, pdl, ssm),
                              lambda: recur.KdaFwdRecur(**rflags, variant=variant, h0_prefetch=pf, pdl=pdl,
                                                        state_smem=ssm),
@@ -688,6 +732,8 @@ def kda_fwd(
                 tc_flags.update(pack=True)
             if x_split:
                 tc_flags.update(x_out=True)
+            if raw:
+                tc_flags.update(raw_out=True)
         if log_tc:
             tc_flags.update(log_gate=True, has_a_log=False, has_dt_bias=False)
         if intra_tc.GATE_FACTORS != intra_tc.GATE_FACTOR_MODES[0]:  # A/B runs only: the default keys stay short

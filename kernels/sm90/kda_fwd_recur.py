@@ -1405,7 +1405,7 @@ def fake_args(o_dtype=cutlass.BFloat16, raw: bool = False):
     bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
     if raw:
         dts = [bf16, bf16, bf16, f32, f32, f32, bf16, bf16, f32, i32, i32, o_dtype, f32, f32]
-        aligns = [16, 16, 16, 16, 16, 16, 16, 16, 16, 8, 8, 16, 16, 16]
+        aligns = [16, 16, 16, 16, 4, 4, 16, 16, 16, 8, 8, 16, 16, 16]  # (A_log, dt_bias: the caller's, 4-aligned)
         ptrs = [fake_ptr(i, dt, a) for i, (dt, a) in enumerate(zip(dts, aligns))]
         return (*ptrs, i32(1000), i32(2), i32(16), i32(1), i32(132), i32(1), f32(-5.0))
     dts = [bf16, bf16, bf16, bf16, bf16, f32, i32, i32, o_dtype, f32, f32]
