@@ -100,6 +100,18 @@ def test_s39_raw_runs_the_raw_tile_gpu_tests_then_the_stage_2_bench(tmp_path):
     assert "kda_fwd_recur --raw-bench" in cmds[1]
 
 
+def test_raw_tiles_runs_the_gpu_tests_then_splits_against_the_default_twice(tmp_path):
+    from cula.kernels.common import aot_build
+
+    cmds = dry_run(tmp_path, "NVIDIA H200", "raw_tiles")
+    assert "-m gpu" in cmds[0] and "tests/test_kda_raw_tiles.py" in cmds[0]
+    assert len(cmds) == 5 and all("--split worst" in c for c in cmds[1:])
+    assert ["CULA_KDA_RAW_TILES=1" in c for c in cmds[1:]] == [False, True, False, True]
+    assert {"raw_split", "raw_suites"} <= set(aot_build.CORE_SCENARIOS)
+    (suite,) = dry_run(tmp_path / "s", "NVIDIA H200", "raw_suite")
+    assert "CULA_KDA_RAW_TILES=1" in suite and "--suite kda " in suite and "/raw" in suite.split("--out-dir ")[1]
+
+
 def test_block32_checks_name_real_cases_then_splits(tmp_path):
     from cula.kernels.sm90.kda_fwd_check import CASES
 

@@ -58,6 +58,9 @@ SCENARIOS = {
     "diag_one_cta_no_stores": ("split", {"intra_tc.DIAG": ("one_cta", *NO_STORES)}),
     # device_round raw_premise: the split rows without the qg / kgT and -X stores (Aqk | T' kept)
     "diag_no_qkx": ("split", {"intra_tc.DIAG": ("no_qg_kgt", "no_wu_store")}),
+    # device_round raw_tiles / raw_suite: the raw tiles end to end (CULA_KDA_RAW_TILES=1) in the split rows and suites
+    "raw_split": ("split", {"RAW_TILES": True}),
+    "raw_suites": ("suites", {"RAW_TILES": True}),
     # device_round gate_factors / subst: the default stage 1 with the pre-session-21 factors (2^Γ by exp2) or
     # substitution (left-looking), in checks and splits (the first mode of each list is the default)
     **{f"gate_{m}_{w}": (what, {"intra_tc.GATE_FACTORS": m}) for m in _GATE_FACTOR_MODES[1:]
@@ -333,7 +336,7 @@ CORE_SCENARIOS = ("default", "u_in_recur", "split", "split_u", "suites", "checks
                   "ctas2_split", "suites_ctas2", "unpacked_checks", "ctas2_unpacked_checks", "diag_no_qkx",
                   "widen_cvt_checks", "kgt_kh_checks", "s36_split",
                   "gate_square_checks", "gate_square_split", "diag_clock",
-                  "diag_no_stores")
+                  "diag_no_stores", "raw_split", "raw_suites")
 
 
 def main(argv: list[str]) -> int:

@@ -84,6 +84,7 @@ mode_splits() {  # mode_splits PREFIX MODE...: `--split worst` once per stage-1 
         no_stores) envs="CULA_KDA_TC_DIAG=no_qg_kgt,no_wu_store,no_aqk_store" ;;
         one_cta_no_stores) envs="CULA_KDA_TC_DIAG=one_cta,no_qg_kgt,no_wu_store,no_aqk_store" ;;
         no_qkx) envs="CULA_KDA_TC_DIAG=no_qg_kgt,no_wu_store" ;;
+        raw) envs="CULA_KDA_RAW_TILES=1" ;;
         cvt) envs="CULA_KDA_TC_WIDEN=cvt" ;;
         s36) envs="CULA_KDA_TC_WIDEN=cvt CULA_KDA_TC_KGT=kh" ;;
         square) envs="CULA_KDA_TC_GATE_FACTORS=square" ;;
@@ -339,6 +340,16 @@ for s in $steps; do
         # raw build compiles on the device, ~40-60 s)
         step s39_raw_test 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_raw_tiles.py
         step s39_raw_bench 120 python3 -u -m cula.kernels.sm90.kda_fwd_recur --raw-bench ;;
+    raw_tiles)  # session 39: the raw tiles end to end (CULA_KDA_RAW_TILES=1: stage 1 hands over the norms, stage 2 forms
+        # qg, -X, kg): the GPU tests of tests/test_kda_raw_tiles.py, then the split rows against the default twice in
+        # turn (~250 s warm: the GPU tests compile their raw kernels; AOT raw_split)
+        step raw_tiles_test 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_raw_tiles.py
+        mode_splits rawt_split default raw default raw ;;
+    raw_suite)  # session 39: the kda suite with the raw tiles into $OUT/raw: an A/B against kda_suite on the same card,
+        # not for publishing until the raw tiles are the default (AOT raw_suites)
+        mkdir -p "$OUT/raw"
+        step kda_suite_raw 150 env CULA_GIT_DIRTY=0 CULA_KDA_RAW_TILES=1 python3 -m cula.cli bench --suite kda \
+            --mode both --impl fla,cula --plain --out-dir "$OUT/raw" --max-time 0.2 ;;
     s38_raw)  # session 38: stage 1 at the three-CTA default without its qg / kgT and -X stores (no_qkx), and without
         # every scratch store (no_stores), against the default, twice in turn. Session 36's raw_premise ran these at
         # two CTAs (any diagnostic took the two-CTA build then) against the default at three (~110 s; AOT diag_no_qkx,
