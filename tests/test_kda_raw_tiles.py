@@ -130,7 +130,7 @@ def test_dsl_transform_matches_the_model(gate, nvalid, lb, a_scale):
     """RawTiles' own source on one chunk (the probe kernel, emulated: exact exp2 / rcp / log2 where the GPU's are
     approximate) against the torch model: within one bf16 step everywhere and bitwise for nearly every element;
     rows past ``nvalid`` are zero, whatever q, k and g hold there. The model's inverse norms are the probe's
-    input (stage 1 will hand them over)."""
+    input (stage 1 built with raw_out writes them)."""
     pytest.importorskip("cutlass")
     import _dsl_emulator as emu
     from collections import namedtuple

@@ -334,7 +334,7 @@ for s in $steps; do
         mode_splits clock3_split default clock default clock ;;
     s38_clock_test)  # session 38: the clock build at three CTAs bitwise the default, its stamps in order (GPU tests)
         step s38_clock_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kda_fwd_clock.py ;;
-    s39_raw)  # session 39: stage 2 with the raw tiles (KdaFwdRecurRaw, q, k, g in; kda_fwd does not launch it yet): its
+    s39_raw)  # session 39: stage 2 with the raw tiles alone (KdaFwdRecurRaw, q, k, g in; on the default's scratch): its
         # GPU tests (o and the final state against the default's, packed and unpacked, the next sequence's rows
         # ignored), then stage 2 alone against the default's, interleaved, at B2 T16384 and B1 T8192 (~200 s: each
         # raw build compiles on the device, ~40-60 s)

@@ -17,8 +17,8 @@ the upper half's suffixes). The products and roundings are the scheme's, in its 
 (``kda_fwd_intra_tc.gate_log2``). tests/test_kda_raw_tiles.py checks the model against that of stage 1
 (``kda_fwd_intra_tc.emulate``), and the DSL form (:class:`RawTiles`, run by :class:`RawTilesProbe` on one chunk)
 against the model under the CPU emulator. Stage 2 runs it in ``kda_fwd_recur.KdaFwdRecurRaw`` (a warpgroup of its
-own); ``kda_fwd`` does not launch that yet (its stage 1 would first have to hand over the norms instead of the
-tiles).
+own) after stage 1 built with ``raw_out`` (the norms instead of the tiles); ``kda_fwd`` launches the pair behind
+``CULA_KDA_RAW_TILES=1``.
 """
 
 from __future__ import annotations

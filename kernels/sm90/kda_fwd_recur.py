@@ -1675,8 +1675,8 @@ def prepare(scratch: dict, chunks, seqs, total_tokens: int, initial_state=None, 
 
 def raw_norms(q, k, chunks, num_heads_v: int, scale: float, use_qk_l2norm: bool = True):
     """Stage 2's raw-tile norms from q, k ``[TT, H, 128]``: ``[HV, NC, 2, 64]`` fp32, per chunk row scale / ‖q‖ and
-    1 / ‖k‖ (l2norm; else scale and 1), rows past a chunk's end zero. (Stage 1 will hand these over; a torch
-    stand-in until it does.)"""
+    1 / ‖k‖ (l2norm; else scale and 1), rows past a chunk's end zero: what stage 1 built with ``raw_out`` writes,
+    in torch (the GPU tests feed stage 2 alone with it)."""
     import torch
 
     from cula.kernels.sm90.kda_fwd_raw_tiles import L2NORM_EPS
@@ -1703,7 +1703,8 @@ def run_raw(q, k, g, v, norms, A_log, dt_bias, aqk_rows, gam, chunks, seqs, init
     """Launch only the raw-tile stage 2 (:class:`KdaFwdRecurRaw`) on stage 1's [Aqk | T'] rows (``aqk_rows``
     [HV, NC*64, 128], or the packed [HV, NC*64, 64] with ``pack``) and γ rows, reading q, k ``[TT, H, 128]``, g, v
     ``[TT, HV, 128]`` bf16 and ``norms`` (:func:`raw_norms`); A_log ``[HV]``, dt_bias ``[HV, 128]`` fp32. Returns
-    ``(o [TT, HV, 128] bf16, final state or None)``. For the GPU tests until kda_fwd launches it."""
+    ``(o [TT, HV, 128] bf16, final state or None)``. For the GPU tests and ``bench_raw`` (stage 2 alone on the
+    default stage 1's scratch; ``kda_fwd`` launches both stages with ``CULA_KDA_RAW_TILES=1``)."""
     import cuda.bindings.driver as cuda
     import torch
     from cutlass.cute.runtime import make_fake_stream
