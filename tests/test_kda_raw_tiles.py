@@ -125,28 +125,21 @@ def _probe_inputs(gate, nvalid, seed):
     return q, k, gate_in, dtb, a_log
 
 
-@pytest.mark.parametrize("gate,nvalid,lb,a_scale", PROBE_CASES)
-def test_dsl_transform_matches_the_model(gate, nvalid, lb, a_scale):
-    """RawTiles' own source on one chunk (the probe kernel, emulated: exact exp2 / rcp / log2 where the GPU's are
-    approximate) against the torch model: within one bf16 step everywhere and bitwise for nearly every element;
-    rows past ``nvalid`` are zero, whatever q, k and g hold there. The model's inverse norms are the probe's
-    input (stage 1 built with raw_out writes them)."""
-    pytest.importorskip("cutlass")
+def _model_norms(q, k, keep, scale):
+    """The torch model's inverse row norms (rows outside ``keep`` zeroed first), as the probe takes them."""
+    kf = keep[:, None].float()
+    qf, kf_ = q.float() * kf, k.float() * kf
+    nq = (scale * torch.rsqrt((qf * qf).sum(-1) + raw.L2NORM_EPS)).contiguous()
+    nk = torch.rsqrt((kf_ * kf_).sum(-1) + raw.L2NORM_EPS).contiguous()
+    return nq, nk
+
+
+def _emulate_probe(gate, q, k, gate_in, nq, nk, dtb, a, nvalid, lb):
+    """RawTilesProbe's source run on the CPU emulator: its qg, -X and kg ([64, 128] bf16)."""
     import _dsl_emulator as emu
     from collections import namedtuple
 
     import cutlass
-
-    q, k, gate_in, dtb, a_log = _probe_inputs(gate, nvalid, seed=nvalid)
-    a = (a_log * a_scale).exp().float()
-    keep = torch.arange(raw.CHUNK) < nvalid
-    kf = keep[:, None].float()
-    scale = raw.DK ** -0.5
-    qf, kf_ = q.float() * kf, k.float() * kf
-    nq = (scale * torch.rsqrt((qf * qf).sum(-1) + raw.L2NORM_EPS)).contiguous()
-    nk = torch.rsqrt((kf_ * kf_).sum(-1) + raw.L2NORM_EPS).contiguous()
-    want = raw.raw_tiles(q[None], k[None], gate_in[None], keep[None], scale, lb, a, dtb[None],
-                         softplus_gate=gate == "softplus", log_gate=gate == "log")
 
     out = {n: torch.full((raw.CHUNK, raw.DK), float("nan"), dtype=torch.bfloat16) for n in ("qg", "x", "kg")}
     tensors = [q.contiguous(), k.contiguous(), gate_in.contiguous(), nq, nk, dtb.contiguous(), *out.values()]
@@ -161,6 +154,23 @@ def test_dsl_transform_matches_the_model(gate, nvalid, lb, a_scale):
     inst.t = emu.emulated_instance(probe.t, {}, kernel_name=None)
     inst(*ptrs, None)
     emu.Memory.write_back(backs)
+    return out
+
+
+@pytest.mark.parametrize("gate,nvalid,lb,a_scale", PROBE_CASES)
+def test_dsl_transform_matches_the_model(gate, nvalid, lb, a_scale):
+    """RawTiles' own source on one chunk (the probe kernel, emulated: exact exp2 / rcp / log2 where the GPU's are
+    approximate) against the torch model: within one bf16 step everywhere and bitwise for nearly every element;
+    rows past ``nvalid`` are zero, whatever q, k and g hold there. The model's inverse norms are the probe's
+    input (stage 1 built with raw_out writes them)."""
+    pytest.importorskip("cutlass")
+    q, k, gate_in, dtb, a_log = _probe_inputs(gate, nvalid, seed=nvalid)
+    a = (a_log * a_scale).exp().float()
+    keep = torch.arange(raw.CHUNK) < nvalid
+    scale = raw.DK ** -0.5
+    want = raw.raw_tiles(q[None], k[None], gate_in[None], keep[None], scale, lb, a, dtb[None],
+                         softplus_gate=gate == "softplus", log_gate=gate == "log")
+    out = _emulate_probe(gate, q, k, gate_in, *_model_norms(q, k, keep, scale), dtb, a, nvalid, lb)
 
     for name, sign in (("qg", 1), ("x", -1), ("kg", 1)):
         got, ref = out[name].double(), sign * want[name][0].double()
@@ -176,34 +186,18 @@ def test_dsl_transform_catches_a_wrong_exchange(monkeypatch):
     prefixes and the upper half's suffixes are wrong and the probe's tiles leave the model's step."""
     pytest.importorskip("cutlass")
     import _dsl_emulator as emu
-    from collections import namedtuple
-
-    import cutlass
 
     q, k, gate_in, dtb, a_log = _probe_inputs("sigmoid", 64, seed=3)
     a = a_log.exp().float()
     keep = torch.ones(raw.CHUNK, dtype=torch.bool)
     scale = raw.DK ** -0.5
-    nq = (scale * torch.rsqrt((q.float() ** 2).sum(-1) + raw.L2NORM_EPS)).contiguous()
-    nk = torch.rsqrt((k.float() ** 2).sum(-1) + raw.L2NORM_EPS).contiguous()
     want = raw.raw_tiles(q[None], k[None], gate_in[None], keep[None], scale, -5.0, a, dtb[None])
-    out = {n: torch.full((raw.CHUNK, raw.DK), float("nan"), dtype=torch.bfloat16) for n in ("qg", "x", "kg")}
-    tensors = [q.contiguous(), k.contiguous(), gate_in.contiguous(), nq, nk, dtb.contiguous(), *out.values()]
-    mem = emu.Memory()
-    mem.register(*tensors)
-    Spec = namedtuple("Spec", "kind dtype")
-    dts = [cutlass.BFloat16] * 3 + [cutlass.Float32] * 3 + [cutlass.BFloat16] * 3
-    specs = [Spec("ptr", dt) for dt in dts] + [Spec("i32", None), Spec("f32", None), Spec("f32", None)]
-    ptrs, backs = mem.pointers(specs, [t.data_ptr() for t in tensors] + [64, float(a), -5.0])
-    probe = raw.RawTilesProbe("sigmoid")
-    inst = emu.emulated_instance(probe, {})
-    inst.t = emu.emulated_instance(probe.t, {}, kernel_name=None)
+
     def no_exchange(x, offset, mask=-1, mask_and_clamp=31):  # each half gets its own total back
         return x
 
     monkeypatch.setattr(emu.cute.arch, "shuffle_sync_bfly", no_exchange)
-    inst(*ptrs, None)
-    emu.Memory.write_back(backs)
+    out = _emulate_probe("sigmoid", q, k, gate_in, *_model_norms(q, k, keep, scale), dtb, a, 64, -5.0)
     got, ref = out["qg"].double(), want["qg"][0].double()
     tol = 2.0 ** -7 * torch.maximum(got.abs(), ref.abs()) + 1e-30
     assert not ((got - ref).abs() <= tol).all()
