@@ -370,6 +370,21 @@ def _shuffle_sync_bfly(x, offset: int, mask: int = -1, mask_and_clamp: int = 31)
     return slots[lane ^ int(offset)]
 
 
+def _shuffle_sync(x, offset, mask: int = -1, mask_and_clamp: int = 31):
+    # idx mode, PTX's rule: c = segment mask (bits 12:8) | clamp (bits 4:0); a source past the clamp reads
+    # the lane's own value. The slot scheme is the butterfly's.
+    barrier, buffers = _tls.cta.warps[_tls.tid // 32]
+    slots = buffers[_tls.shuffles & 1]
+    _tls.shuffles += 1
+    lane = _tls.tid % 32
+    slots[lane] = x
+    barrier.wait()
+    seg, clamp = (int(mask_and_clamp) >> 8) & 31, int(mask_and_clamp) & 31
+    lo = lane & seg
+    src = lo | (int(offset) & ~seg & 31)
+    return slots[src if src <= (lo | (clamp & ~seg)) else lane]
+
+
 _INT_UNWRITTEN = -(1 << 63)  # what an int64 buffer filled with NaN holds
 
 
@@ -429,6 +444,7 @@ def _math(fn):
 cute = types.SimpleNamespace(
     arch=types.SimpleNamespace(thread_idx=_thread_idx, block_idx=_block_idx, grid_dim=_grid_dim,
                                sync_threads=_sync_threads, shuffle_sync_bfly=_shuffle_sync_bfly,
+                               shuffle_sync=_shuffle_sync,
                                barrier=_named_barrier, fmax=_fmax, rcp_approx=_math(lambda x: 1.0 / x)),
     math=types.SimpleNamespace(exp=_math(math.exp), log=_math(math.log), log2=_math(math.log2),
                                rsqrt=_math(lambda x: 1.0 / math.sqrt(x)), exp2=_math(_exp2)),

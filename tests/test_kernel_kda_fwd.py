@@ -308,6 +308,8 @@ def test_recur_v2_layout_facts():
     # pack: T''s MN-major copy has the packed tile's bytes where a K-major t64 tile has them, and mask_packed's
     # piece offsets are the 128-byte-swizzled ones
     assert facts["pack_tp_is_t64_transposed"] and facts["pack_mask_offset_mismatches"] == 0
+    # raw_in: the transform swizzles a half's local offsets and adds the half's start (RawTiles.pair)
+    assert facts["raw_half_split_mismatches"] == 0 and facts["raw_swizzles"] == "S<3,4,3> S<3,4,3>"
 
 
 def test_bank_conflict_counter():

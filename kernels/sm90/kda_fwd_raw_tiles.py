@@ -43,6 +43,7 @@ PAIR = 2  # key columns a transform thread owns: a warp's 32 threads read 64 con
 THREADS = (DK // PAIR) * (CHUNK // HALF)  # the transform warpgroup (128)
 GATES = ("sigmoid", "softplus", "log")  # lb·sigmoid(a(g + dt_bias)), FLA's softplus gate clamped at lb, log-space g
 HALF_LANES = 16  # a warp's lanes per half: lanes 0-15 walk rows 0-31, lanes 16-31 rows 32-63 of the same columns
+SEGMENT_CLAMP = ((32 - HALF_LANES) << 8) | 31  # shfl.sync.idx's c operand for 16-lane segments (the lane's half)
 
 
 def half_products(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,10 +125,14 @@ class RawTiles:
         self.swizzled = swizzled
 
     @cute.jit
-    def pair(self, base: cute.Pointer, layout: cute.Layout, r, c) -> cute.Tensor:
-        """The two bf16 at (token ``r``, key ``c`` and ``c + 1``) of a tile: ``base`` its (unswizzled) start,
-        ``layout`` its (token, key) layout, keys contiguous (the swizzle keeps 16-byte pieces whole)."""
-        off = cute.crd2idx((r, c), layout)
+    def pair(self, base: cute.Pointer, layout: cute.Layout, i: int, col) -> cute.Tensor:
+        """The two bf16 at (token ``i`` of the half, key ``c`` and ``c + 1``) of a tile: ``base`` the half's
+        (unswizzled) start in it, ``layout`` the tile's (token, key) layout, keys contiguous (the swizzle keeps
+        16-byte pieces whole), ``col`` = ``crd2idx((0, c), layout)``. With ``i`` a constant, the offset is a
+        constant plus the thread's column and the swizzle's row bits are known: a row costs no register (ptxas kept
+        one a row and tile when it got the whole row index, and spilled). Exact where the half's start has no bits
+        the swizzle reads (``kda_fwd_recur.layout_facts``, raw_half_split_mismatches)."""
+        off = cute.crd2idx((i, 0), layout) + col
         if cutlass.const_expr(self.swizzled):
             lin = off * 2
             off = (lin ^ (((lin >> 7) & 7) << 4)) // 2
@@ -152,15 +157,46 @@ class RawTiles:
         return cute.math.exp2(gl, fastmath=True)
 
     @cute.jit
+    def lane_norms(self, nq_rows: cute.Tensor, nk_rows: cute.Tensor, tidx, nrm: cute.Tensor):
+        """``nrm`` (register tensor [4]) := the inverse norms of lane ``tidx % 32``'s two rows of its half (q's two,
+        then k's): a half-warp's 16 lanes hold its half's 32 rows, which :meth:`chunk` passes round by shuffles.
+        Issued ahead of the chunk (the next chunk's while this one is formed), the loads' latency is off the
+        rows' path: read inside the row loops, one global load a row cost stage 2 3.5x (H100, session 40)."""
+        lane = tidx % 32
+        r = (lane // HALF_LANES) * HALF + (lane % HALF_LANES) * 2
+        for j in cutlass.range_constexpr(2):
+            nrm[j] = nq_rows[r + j]
+            nrm[2 + j] = nk_rows[r + j]
+
+    @cute.jit
+    def row_norm(self, nrm: cute.Tensor, which: int, i: int, half, segment: bool = False):
+        """The inverse norm of row ``i`` (0..31) of this lane's half, q's (``which`` 0) or k's (2), from the lane
+        that holds it (:meth:`lane_norms`). Every lane of the warp takes part. ``segment``: the same value by a
+        shuffle within 16-lane segments (``SEGMENT_CLAMP``), which ptxas does not merge with the whole-warp one:
+        merged, k's 32 norms stayed live from the up pass to the down pass and the transform spilled 140 bytes."""
+        if cutlass.const_expr(segment):
+            return cute.arch.shuffle_sync(nrm[which + i % 2], i // 2, mask_and_clamp=SEGMENT_CLAMP)
+        return cute.arch.shuffle_sync(nrm[which + i % 2], half * HALF_LANES + i // 2)
+
+    @cute.jit
     def chunk(self, q_base: cute.Pointer, k_base: cute.Pointer, g_base: cute.Pointer, qk_layout: cute.Layout,
-              g_layout: cute.Layout, nq_rows: cute.Tensor, nk_rows: cute.Tensor, dtb: cute.Tensor, nvalid,
-              a_nl2e: F32, neg_a: F32, lb_log2: F32, tidx):
+              g_layout: cute.Layout, nrm: cute.Tensor, dtb: cute.Tensor, nvalid, a_nl2e: F32, neg_a: F32,
+              lb_log2: F32, tidx):
         """The thread ``tidx`` (0..127) of the warpgroup; the tiles' starts and (token, key) layouts (q's and k's
-        alike); ``dtb`` its two columns' dt_bias (register tensor [2])."""
+        alike); ``nrm`` this lane's rows' inverse norms (:meth:`lane_norms`); ``dtb`` its two columns' dt_bias
+        (register tensor [2]). Rows at or past ``nvalid`` are written as zeros by a select, not a product: they
+        hold the next sequence's tokens, where an Inf times a zero norm would be a NaN."""
         lane = tidx % 32
         c0 = first_column(tidx)
         half = lane // HALF_LANES
         r0 = half * HALF
+        lim = nvalid - r0  # the half's valid rows: compared with the row's constant index, no register a row
+        # the half's starts in the tiles and the thread's columns (pair)
+        q_half = q_base + cute.crd2idx((r0, 0), qk_layout)
+        k_half = k_base + cute.crd2idx((r0, 0), qk_layout)
+        g_half = g_base + cute.crd2idx((r0, 0), g_layout)
+        qk_col = cute.crd2idx((0, c0), qk_layout)
+        g_col = cute.crd2idx((0, c0), g_layout)
         fac = cute.make_rmem_tensor(cute.make_layout((HALF, PAIR)), F32)
         run = cute.make_rmem_tensor(cute.make_layout(PAIR), F32)
         for j in cutlass.range_constexpr(PAIR):
@@ -168,10 +204,10 @@ class RawTiles:
         # down the half: the factors and the half's total (the prefixes are formed again below, in the same order:
         # keeping them would take 64 more registers)
         for i in cutlass.range_constexpr(HALF):
-            g2 = self.pair(g_base, g_layout, r0 + i, c0)
+            g2 = self.pair(g_half, g_layout, i, g_col)
             for j in cutlass.range_constexpr(PAIR):
                 f = F32(1.0)
-                if r0 + i < nvalid:
+                if i < lim:
                     f = self.factor(g2[j].to(F32), dtb[j], a_nl2e, neg_a, lb_log2)
                 fac[i, j] = f
                 run[j] = run[j] * f
@@ -190,32 +226,33 @@ class RawTiles:
         # up the half: the suffix products (the row itself excluded) and kg in g's place
         for ii in cutlass.range_constexpr(HALF):
             i = HALF - 1 - ii
-            r = r0 + i
-            nk = F32(0.0)
-            if r < nvalid:
-                nk = nk_rows[r]
-            k2 = self.pair(k_base, qk_layout, r, c0)
-            g2 = self.pair(g_base, g_layout, r, c0)
+            nk = self.row_norm(nrm, 2, i, half, segment=True)
+            k2 = self.pair(k_half, qk_layout, i, qk_col)
+            g2 = self.pair(g_half, g_layout, i, g_col)
             for j in cutlass.range_constexpr(PAIR):
-                g2[j] = BF16((k2[j].to(F32) * nk) * (suf_mul[j] * run[j]))
+                v = (k2[j].to(F32) * nk) * (suf_mul[j] * run[j])
+                if i >= lim:
+                    v = F32(0.0)
+                g2[j] = BF16(v)
                 run[j] = run[j] * fac[i, j]
         # down again: the prefix products (the row itself included), qg and -X in q's and k's places
         for j in cutlass.range_constexpr(PAIR):
             run[j] = F32(1.0)
         for i in cutlass.range_constexpr(HALF):
-            r = r0 + i
-            nq = F32(0.0)
-            nk = F32(0.0)
-            if r < nvalid:
-                nq = nq_rows[r]
-                nk = nk_rows[r]
-            q2 = self.pair(q_base, qk_layout, r, c0)
-            k2 = self.pair(k_base, qk_layout, r, c0)
+            nq = self.row_norm(nrm, 0, i, half)
+            nk = self.row_norm(nrm, 2, i, half)
+            q2 = self.pair(q_half, qk_layout, i, qk_col)
+            k2 = self.pair(k_half, qk_layout, i, qk_col)
             for j in cutlass.range_constexpr(PAIR):
                 run[j] = run[j] * fac[i, j]
                 p = pre_mul[j] * run[j]
-                q2[j] = BF16((q2[j].to(F32) * nq) * p)
-                k2[j] = BF16(-((k2[j].to(F32) * nk) * p))
+                vq = (q2[j].to(F32) * nq) * p
+                vx = -((k2[j].to(F32) * nk) * p)
+                if i >= lim:
+                    vq = F32(0.0)
+                    vx = F32(0.0)
+                q2[j] = BF16(vq)
+                k2[j] = BF16(vx)
 
 
 class RawTilesProbe:
@@ -267,7 +304,9 @@ class RawTilesProbe:
             dtb[j] = mDtb[c0 + j]
             if cutlass.const_expr(self.gate == "softplus"):
                 dtb[j] = dtb[j] * F32(LOG2E)
-        self.t.chunk(sQ.iterator, sK.iterator, sG.iterator, tile, tile, sNq, sNk, dtb, nvalid,
+        nrm = cute.make_rmem_tensor(cute.make_layout(4), F32)
+        self.t.lane_norms(sNq, sNk, tidx, nrm)
+        self.t.chunk(sQ.iterator, sK.iterator, sG.iterator, tile, tile, nrm, dtb, nvalid,
                      a_exp * F32(-RCP_LN2), -a_exp, lower_bound * F32(RCP_LN2), tidx)
         cute.arch.sync_threads()
         for n in cutlass.range_constexpr(CHUNK * DK // THREADS):

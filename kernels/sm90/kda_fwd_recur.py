@@ -36,6 +36,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
 from cula.kernels.common.wgmma_frag import a_operand_layout
 from cula.kernels.sm90.kda_fwd_raw_tiles import GATES as RAW_GATES
+from cula.kernels.sm90.kda_fwd_raw_tiles import HALF as RAW_HALF
 from cula.kernels.sm90.kda_fwd_raw_tiles import LOG2E as RAW_LOG2E
 from cula.kernels.sm90.kda_fwd_raw_tiles import PAIR as RAW_PAIR
 from cula.kernels.sm90.kda_fwd_raw_tiles import RCP_LN2 as RAW_RCP_LN2
@@ -120,15 +121,16 @@ PACK_BARRIER = 3  # pack: the math threads' masking of a stage's two copies of t
 # raw_in: warpgroup 1 (warps 4-7) forms qg, -X and kg in shared memory from q, k and g (kda_fwd_raw_tiles); the TMA
 # warp is warp 8, its warpgroup's other three idle. Hopper allocates registers by warpgroup, so 9 warps would launch
 # at 168 a thread (384 threads' worth) with the math spilling: setmaxnreg gives the math warpgroup what the default
-# has (222) from the TMA warpgroup, and the transform 216: 224 + 216 + 64 = 3 x 168, the launch's pool (a
-# setmaxnreg.dec above the launch's count is an illegal instruction: H100, session 39).
+# has (222) from the TMA warpgroup, and the transform as many: 224 + 224 + 56 = 3 x 168, the launch's pool (a
+# setmaxnreg.dec above the launch's count is an illegal instruction: H100, session 39). At 216 the transform
+# spilled 4 bytes with the log-space gate once its rows' norms were loaded a chunk ahead (session 40).
 RAW_THREADS = 128
 RAW_FIRST_THREAD = V2_MATH_THREADS
 RAW_TMA_WARP = 8
 RAW_BLOCK = 3 * 128
 RAW_MATH_REGS = 224
-RAW_TRANSFORM_REGS = 216
-RAW_TMA_REGS = 64
+RAW_TRANSFORM_REGS = 224
+RAW_TMA_REGS = 56
 #: pack (session 29): γ's row in floats, γ's DK then T''s diagonal as 64 bf16 (stage 1 writes both)
 GAM_PITCH_PACK = DK + CHUNK // 2
 
@@ -932,8 +934,8 @@ class KdaFwdRecur:
                      q_raw: cute.Pointer, k_raw: cute.Pointer, g_raw: cute.Pointer, qk_tile: cute.Layout,
                      g_tile: cute.Layout, mNrm: cute.Tensor, mAlog: cute.Tensor, mDtb: cute.Tensor, lower_bound):
         """raw_in, warps 5-8 (``ttid`` 0-127): for each chunk the TMA warp loads, once its loads land, form qg, -X and
-        kg in place (kda_fwd_raw_tiles.RawTiles; the rows' inverse norms read from global memory, a half-warp's
-        lanes the same row), then a fence for the async proxy (wgmma reads them) and an arrive for the math warps.
+        kg in place (kda_fwd_raw_tiles.RawTiles; the rows' inverse norms loaded from global memory a chunk ahead,
+        two rows a lane), then a fence for the async proxy (wgmma reads them) and an arrive for the math warps.
         Walks the CTA's items and chunks in the TMA warp's order."""
         f32 = cutlass.Float32
         tile_elems = CHUNK * DK  # a stage's tile (16 KB: whole swizzle periods)
@@ -941,6 +943,8 @@ class KdaFwdRecur:
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         c0 = raw_first_column(ttid)
         dtb = cute.make_rmem_tensor(cute.make_layout(RAW_PAIR), f32)
+        nrm = cute.make_rmem_tensor(cute.make_layout(4), f32)  # this chunk's rows' norms (RawTiles.lane_norms)
+        nxt = cute.make_rmem_tensor(cute.make_layout(4), f32)  # the next chunk's, loading meanwhile
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # the norms are stage 1's output (once it writes them)
         lb_log2 = lower_bound * f32(RAW_RCP_LN2)
@@ -955,14 +959,19 @@ class KdaFwdRecur:
                 dtb[j] = mDtb[hv, c0 + j]
                 if cutlass.const_expr(self.gate == "softplus"):  # (its dt_bias in log2 units, as stage 1's)
                     dtb[j] = dtb[j] * f32(RAW_LOG2E)
+            if n_chunks > 0:
+                self.raw_tiles.lane_norms(mNrm[None, 0, c_first, hv], mNrm[None, 1, c_first, hv], ttid, nxt)
             for ci in cutlass.range(n_chunks, unroll=1):
                 c = c_first + ci
+                for j in cutlass.range_constexpr(4):
+                    nrm[j] = nxt[j]
+                if ci + 1 < n_chunks:
+                    self.raw_tiles.lane_norms(mNrm[None, 0, c + 1, hv], mNrm[None, 1, c + 1, hv], ttid, nxt)
                 pipe.consumer_wait(cons)
                 tpipe.producer_acquire(prod)
                 st = cons.index
                 self.raw_tiles.chunk(q_raw + st * tile_elems, k_raw + st * tile_elems, g_raw + st * tile_elems, qk_tile,
-                                     g_tile, mNrm[None, 0, c, hv], mNrm[None, 1, c, hv], dtb, mChunks[c, 1],
-                                     a_exp * f32(-RAW_RCP_LN2), -a_exp, lb_log2, ttid)
+                                     g_tile, nrm, dtb, mChunks[c, 1], a_exp * f32(-RAW_RCP_LN2), -a_exp, lb_log2, ttid)
                 cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
                 tpipe.producer_commit(prod)
                 cons.advance()
@@ -1585,6 +1594,23 @@ def layout_facts() -> dict:
         facts["pack_mask_offset_mismatches"] = sum(
             int(st * CHUNK * CHUNK + r * CHUNK + (p ^ (r % 8)) * 8 + c != swizzled(r, 8 * p + c, st))
             for r in range(CHUNK) for p in range(8) for c in range(8) for st in range(2))
+        # raw_in: RawTiles.pair swizzles only a half's local offset (row i < 32 of the half, key c) and adds the
+        # half's start: exact where the starts have none of the bits the swizzle reads, for q / k's tile and g's
+        raw = KdaFwdRecurRaw(True, True, False)
+        raw._setup_v2()
+
+        def swz(off):
+            return (off * 2 ^ (((off * 2 >> 7) & 7) << 4)) // 2
+
+        split_bad = 0
+        for tile in (cute.slice_(raw.w2_layout.outer, (None, None, 0)),
+                     cute.select(cute.slice_(raw.kgt2_layout.outer, (None, None, 0)), mode=[1, 0])):
+            split_bad += sum(
+                int(swz(int(cute.crd2idx((r0 + i, c), tile))) != int(cute.crd2idx((r0, 0), tile))
+                    + swz(int(cute.crd2idx((i, 0), tile)) + int(cute.crd2idx((0, c), tile))))
+                for r0 in (0, RAW_HALF) for i in range(RAW_HALF) for c in range(0, DK, RAW_PAIR))
+        facts["raw_half_split_mismatches"] = split_bad
+        facts["raw_swizzles"] = f"{raw.w2_layout.inner} {raw.kgt2_layout.inner}"
         # the state buffer: every fragment access of warp 0 (4-byte, value by value), per layout
         c_s = rs_n128.get_slice(0).partition_C(cute.make_identity_tensor((BV, DK)))
         for v_first in (False, True):
