@@ -116,10 +116,14 @@ class RawTiles:
     same columns of rows 32 apart, which the 128-byte swizzle maps to the same banks: two-way conflicts on the
     transform's shared-memory accesses (a skew of the upper half's rows would remove them)."""
 
-    def __init__(self, gate: str = "sigmoid", swizzled: bool = False):
+    def __init__(self, gate: str = "sigmoid", swizzled: bool = False, diag: str = ""):
         if gate not in GATES:
             raise ValueError(f"gate: expected one of {GATES}, got {gate!r}")
+        if diag not in ("", "pass1"):
+            raise ValueError(f"diag: expected '' or 'pass1', got {diag!r}")
         self.gate = gate
+        # "pass1" (timing only, wrong tiles): the factors and the exchange, then one element written per thread
+        self.diag = diag
         # stage 2's tiles are 128-byte swizzled (S<3,4,3> on byte addresses), which the DSL's element access does
         # not apply: the offsets are swizzled here (the probe's tiles are plain)
         self.swizzled = swizzled
@@ -223,6 +227,11 @@ class RawTiles:
             else:
                 pre_mul[j] = other
             run[j] = F32(1.0)
+        if cutlass.const_expr(self.diag == "pass1"):
+            g2 = self.pair(g_half, g_layout, 0, g_col)
+            for j in cutlass.range_constexpr(PAIR):
+                g2[j] = BF16(pre_mul[j] * suf_mul[j])
+            return
         # up the half: the suffix products (the row itself excluded) and kg in g's place
         for ii in cutlass.range_constexpr(HALF):
             i = HALF - 1 - ii

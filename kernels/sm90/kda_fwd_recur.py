@@ -131,6 +131,10 @@ RAW_BLOCK = 3 * 128
 RAW_MATH_REGS = 224
 RAW_TRANSFORM_REGS = 224
 RAW_TMA_REGS = 56
+#: Timing diagnostics of the raw-tile stage 2 (``bench_raw``'s variants; o and the final state are WRONG with any):
+#: ``skip`` the transform warps only wait for a stage's loads and pass it on; ``pass1`` they form the factors and
+#: exchange the halves' totals but write no tile (kda_fwd_raw_tiles.RawTiles ``diag``).
+RAW_DIAGS = ("", "skip", "pass1")
 #: pack (session 29): γ's row in floats, γ's DK then T''s diagonal as 64 bf16 (stage 1 writes both)
 GAM_PITCH_PACK = DK + CHUNK // 2
 
@@ -970,8 +974,10 @@ class KdaFwdRecur:
                 pipe.consumer_wait(cons)
                 tpipe.producer_acquire(prod)
                 st = cons.index
-                self.raw_tiles.chunk(q_raw + st * tile_elems, k_raw + st * tile_elems, g_raw + st * tile_elems, qk_tile,
-                                     g_tile, nrm, dtb, mChunks[c, 1], a_exp * f32(-RAW_RCP_LN2), -a_exp, lb_log2, ttid)
+                if cutlass.const_expr(getattr(self, "raw_diag", "") != "skip"):
+                    self.raw_tiles.chunk(q_raw + st * tile_elems, k_raw + st * tile_elems, g_raw + st * tile_elems,
+                                         qk_tile, g_tile, nrm, dtb, mChunks[c, 1], a_exp * f32(-RAW_RCP_LN2), -a_exp,
+                                         lb_log2, ttid)
                 cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
                 tpipe.producer_commit(prod)
                 cons.advance()
@@ -1372,9 +1378,14 @@ class KdaFwdRecurRaw(KdaFwdRecur):
     -X and kgᵀ, and the rows' inverse norms from stage 1 (kda_fwd_raw_tiles)."""
 
     def __init__(self, has_initial_state: bool, output_final_state: bool, state_v_first: bool, gate: str = "sigmoid",
-                 **flags):
+                 diag: str = "", **flags):
         super().__init__(has_initial_state, output_final_state, state_v_first, variant="v2", t_in=True, x_in=True,
                          raw_in=True, gate=gate, **flags)
+        if diag not in RAW_DIAGS:
+            raise ValueError(f"diag: expected one of {RAW_DIAGS}, got {diag!r}")
+        self.raw_diag = diag
+        if diag == "pass1":
+            self.raw_tiles = RawTiles(gate, swizzled=True, diag="pass1")
 
     @cute.jit
     def __call__(
@@ -1468,6 +1479,8 @@ def compile_targets():
     for gate in RAW_GATES:
         targets[f"v2_t_in_pack_x_raw_{gate}"] = build_raw(**full, pack=True, gate=gate)
     targets["v2_t_in_x_raw_sigmoid"] = build_raw(**full, gate="sigmoid")
+    for diag in RAW_DIAGS[1:]:  # timing diagnostics (bench_raw)
+        targets[f"v2_t_in_pack_x_raw_diag_{diag}"] = build_raw(**full, pack=True, diag=diag)
     return targets
 
 
@@ -1725,7 +1738,7 @@ def raw_norms(q, k, chunks, num_heads_v: int, scale: float, use_qk_l2norm: bool 
 
 def run_raw(q, k, g, v, norms, A_log, dt_bias, aqk_rows, gam, chunks, seqs, initial_state=None,
             output_final_state: bool = True, gate: str = "sigmoid", lower_bound: float = -5.0, pack: bool = False,
-            max_ctas: int | None = None):
+            max_ctas: int | None = None, diag: str = ""):
     """Launch only the raw-tile stage 2 (:class:`KdaFwdRecurRaw`) on stage 1's [Aqk | T'] rows (``aqk_rows``
     [HV, NC*64, 128], or the packed [HV, NC*64, 64] with ``pack``) and γ rows, reading q, k ``[TT, H, 128]``, g, v
     ``[TT, HV, 128]`` bf16 and ``norms`` (:func:`raw_norms`); A_log ``[HV]``, dt_bias ``[HV, 128]`` fp32. Returns
@@ -1754,9 +1767,9 @@ def run_raw(q, k, g, v, norms, A_log, dt_bias, aqk_rows, gam, chunks, seqs, init
     args = (*(kf._ptr(t) for t in bufs), kf._ptr(tables[0], 8), kf._ptr(tables[1], 8),
             *(kf._ptr(t) for t in (o, h0, ht)), i32(TT), i32(HV), i32(NC), i32(N),
             i32(max_ctas if max_ctas is not None else kf.sm_count(dev)), i32(HV // H), f32(lower_bound), stream)
-    key = ("recur_raw", tuple(sorted(flags.items())), gate, bool(pack))
+    key = ("recur_raw", tuple(sorted(flags.items())), gate, bool(pack), diag)
     if key not in kf._COMPILED:
-        kern = KdaFwdRecurRaw(**flags, gate=gate, pack=pack)
+        kern = KdaFwdRecurRaw(**flags, gate=gate, pack=pack, diag=diag)
         kf._COMPILED[key] = cute.compile(kern, *fake_args(raw=True), make_fake_stream())
     kf._COMPILED[key](*args)
     return o, (ht[:N] if output_final_state else None)
@@ -1776,10 +1789,11 @@ def pack_aqk_tp(aqk, tp, gam):
     return packed.reshape(HV, R, CHUNK).contiguous(), torch.cat([gam, diag], -1).contiguous()
 
 
-def bench_raw(shapes=((2, 16384, 64), (1, 8192, 64)), reps: int = 30) -> list[dict]:
+def bench_raw(shapes=((2, 16384, 64), (1, 8192, 64)), reps: int = 30, diags: tuple = ()) -> list[dict]:
     """Stage 2 alone, the default (w in stage 2, packed) against the raw tiles (:class:`KdaFwdRecurRaw`, packed),
     interleaved rep by rep, L2 flushed before each launch; on the inputs of the ``kda`` suite (in-kernel gate,
-    lower bound -5, l2norm, beta sigmoid, fp32 initial and final state). Prints and returns the medians."""
+    lower bound -5, l2norm, beta sigmoid, fp32 initial and final state). Prints and returns the medians. ``diags``:
+    ``RAW_DIAGS`` variants timed in the same rotation (their results are wrong)."""
     import torch
 
     from cula.kernels.sm90 import kda_fwd as kf
@@ -1808,15 +1822,18 @@ def bench_raw(shapes=((2, 16384, 64), (1, 8192, 64)), reps: int = 30) -> list[di
         def default():
             kf.kda_fwd(q, k, v, g, beta, **kw, stages=("recur",))
 
-        def rawt():
-            run_raw(flat[0], flat[1], flat[2], flat[3], norms, kw["A_log"], kw["dt_bias"], packed, gam, chunks, seqs,
-                    kw["initial_state"], True, "sigmoid", -5.0, pack=True)
+        def rawt(diag=""):
+            def launch():
+                run_raw(flat[0], flat[1], flat[2], flat[3], norms, kw["A_log"], kw["dt_bias"], packed, gam, chunks,
+                        seqs, kw["initial_state"], True, "sigmoid", -5.0, pack=True, diag=diag)
+            return launch
 
-        times = {"default": [], "raw": []}
-        for fn in (default, rawt):
+        fns = {"default": default, "raw": rawt(), **{f"raw_{d}": rawt(d) for d in diags}}
+        times = {name: [] for name in fns}
+        for fn in fns.values():
             fn()  # compile, warm
         for _ in range(reps):
-            for name, fn in (("default", default), ("raw", rawt)):
+            for name, fn in fns.items():
                 flush.zero_()
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
@@ -1891,8 +1908,9 @@ def main(argv: list[str]) -> int:
     if "--layout-facts" in argv:  # run with CUTE_DSL_ARCH=sm_90a set before Python starts
         print(json.dumps(layout_facts()))
         return 0
-    if "--raw-bench" in argv:  # stage 2 with the raw tiles against the default (GPU)
-        bench_raw()
+    if "--raw-bench" in argv:  # stage 2 with the raw tiles against the default (GPU); --raw-diag skip,pass1
+        diags = argv[argv.index("--raw-diag") + 1].split(",") if "--raw-diag" in argv else ()
+        bench_raw(diags=tuple(diags))
         return 0
     if "--bench" in argv:
         shapes = BENCH_SHAPES
