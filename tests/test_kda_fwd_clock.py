@@ -219,6 +219,26 @@ def test_three_cta_no_stores_builds_fit_without_spills(target, base):
     assert rep.ptx != ref.ptx
 
 
+def _difference(name: str, got: torch.Tensor, ref: torch.Tensor) -> str:
+    """'' where ``got`` is bitwise ``ref``; else where they differ (count, first index and values, the span of
+    the second index: o's tokens), for the failure message."""
+    diff = (got != ref) & ~(got.isnan() & ref.isnan())
+    if not diff.any():
+        return ""
+    at = diff.nonzero()
+    first = tuple(at[0].tolist())
+    return (f"{name}: {at.shape[0]} of {got.numel()} differ, first at {first}: {got[first].item()!r} vs "
+            f"{ref[first].item()!r}; index 1 from {at[:, 1].min().item()} to {at[:, 1].max().item()}")
+
+
+def test_difference_names_the_first_differing_element():
+    a = torch.zeros(1, 8, 2)
+    b = a.clone()
+    assert _difference("o", a, b) == ""
+    b[0, 5, 1] = 1.0
+    assert _difference("o", a, b) == "o: 1 of 16 differ, first at (0, 5, 1): 0.0 vs 1.0; index 1 from 5 to 5"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("B, dist", [(2, None), (1, "uniform")], ids=["packed", "unpacked"])
@@ -238,7 +258,7 @@ def test_gpu_clock_at_three_ctas_keeps_the_outputs_and_its_stamps_in_order(monke
     monkeypatch.setattr(kda_fwd, "LAST_CLOCKS", None)
     o, ht = kda_fwd.kda_fwd(*args, **kw)
     torch.cuda.synchronize()
-    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+    assert _difference("o", o, o_ref) == "" and _difference("ht", ht, ht_ref) == ""
     clocks, chunks = kda_fwd.LAST_CLOCKS
     real = (chunks[:, 1] > 0).cpu().numpy()
     raw = clocks.cpu().numpy()
