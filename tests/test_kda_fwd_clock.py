@@ -3,6 +3,7 @@ hand-made stamps, the host path's buffer, and the stamps in the PTX (the default
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -143,6 +144,27 @@ def test_clock_ptx_reads_the_counter_at_every_stamp(target):
     assert "%clock" not in base.ptx and "%smid" not in base.ptx
 
 
+def _fp_ops(ptx: str) -> list[str]:
+    """The PTX's fp32 arithmetic in order, registers renamed away."""
+    ops = [line.strip() for line in ptx.splitlines() if re.match(r"\s*(mul|neg|fma|add|sub)\.(rn\.)?f32", line)]
+    return [re.sub(r"%f\d+", "%f", op) for op in ops]
+
+
+@pytest.mark.parametrize("base", ["intra_tc_t_out_block32_x_ctas3", "intra_tc_t_out_block32_pack_x_ctas3"])
+def test_clock_builds_do_the_defaults_arithmetic(base):
+    """The stamps change no arithmetic: the clock build's fp32 PTX is the default's, op for op, but for one
+    exact rewrite (unpacked: ex2's argument -(p x -c) instead of p x c). ptxas may still contract the unrounded
+    mul / add pairs differently around the stamps (unpacked, sm_90a: 8 FFMA fewer and 8 FADD more), which
+    moves fp32 roundings, hence the tolerance of the GPU test's unpacked case."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.common.ptx_check import ptx_report
+
+    ref, rep = (_fp_ops(ptx_report("cula.kernels.sm90.kda_fwd", t).ptx) for t in (base, base + "_clock"))
+    assert len(ref) == len(rep) > 1000
+    diff = [(a, b) for a, b in zip(ref, rep) if a != b]
+    assert diff in ([], [("mul.f32 \t%f, %f, 0f41B2E4E9;", "neg.f32 \t%f, %f;")]), diff
+
+
 def test_suite_call_is_the_split_rows_launch(monkeypatch):
     """kda_fwd_clock and kda_fwd_profile build their call with ``suite_call``: the suite's flags, so its stage-1
     launch under the clock diagnostic is one the AOT scenario ``diag_clock`` prebuilds; varlen means B = 1."""
@@ -258,7 +280,18 @@ def test_gpu_clock_at_three_ctas_keeps_the_outputs_and_its_stamps_in_order(monke
     monkeypatch.setattr(kda_fwd, "LAST_CLOCKS", None)
     o, ht = kda_fwd.kda_fwd(*args, **kw)
     torch.cuda.synchronize()
-    assert _difference("o", o, o_ref) == "" and _difference("ht", ht, ht_ref) == ""
+    if dist is None:  # packed: ptxas contracts the same way, bitwise
+        assert _difference("o", o, o_ref) == "" and _difference("ht", ht, ht_ref) == ""
+    else:
+        # unpacked: ptxas contracts 8 mul / add pairs differently around the stamps (test_clock_builds_do_the_
+        # defaults_arithmetic), so a scratch element's bf16 rounding may flip. H100, session 40: 5,293 of o's
+        # 524,288 elements differed, by one bf16 step. Allowed: one step an element, on at most 5% of them, and the
+        # fp32 state within two bf16 steps (a flipped scratch element is one term of its sums)
+        step = 2.0 ** -7 * torch.maximum(o.float().abs(), o_ref.float().abs())  # a bf16 step is at most this
+        off = (o.float() - o_ref.float()).abs()
+        assert (off <= step).all() and (off > 0).float().mean() < 0.05, _difference("o", o, o_ref)
+        assert torch.allclose(ht, ht_ref, rtol=2.0 ** -7, atol=2.0 ** -7 * ht_ref.abs().max().item()), (
+            _difference("ht", ht, ht_ref))
     clocks, chunks = kda_fwd.LAST_CLOCKS
     real = (chunks[:, 1] > 0).cpu().numpy()
     raw = clocks.cpu().numpy()
