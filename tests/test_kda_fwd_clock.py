@@ -284,14 +284,14 @@ def test_gpu_clock_at_three_ctas_keeps_the_outputs_and_its_stamps_in_order(monke
         assert _difference("o", o, o_ref) == "" and _difference("ht", ht, ht_ref) == ""
     else:
         # unpacked: ptxas contracts 8 mul / add pairs differently around the stamps (test_clock_builds_do_the_
-        # defaults_arithmetic), so a scratch element's bf16 rounding may flip. H100, session 40: 5,293 of o's
-        # 524,288 elements differed, by one bf16 step. Allowed: one step an element, on at most 5% of them, and the
-        # fp32 state within two bf16 steps (a flipped scratch element is one term of its sums)
-        step = 2.0 ** -7 * torch.maximum(o.float().abs(), o_ref.float().abs())  # a bf16 step is at most this
+        # defaults_arithmetic), so a scratch element's bf16 rounding may flip, which moves o and the state by about
+        # one bf16 step of a term of their sums (not of the sum: near-zero outputs move far in relative terms).
+        # H100, session 40: 1.0% of o's elements differ, by at most 1.22e-4 (2^-9.3 of max |o|); 0.14% of the
+        # state's, by at most 2.5e-4 (2^-11.5 of max |ht|). Allowed: 2^-8 and 2^-9 of the max, o on at most 5%
         off = (o.float() - o_ref.float()).abs()
-        assert (off <= step).all() and (off > 0).float().mean() < 0.05, _difference("o", o, o_ref)
-        assert torch.allclose(ht, ht_ref, rtol=2.0 ** -7, atol=2.0 ** -7 * ht_ref.abs().max().item()), (
-            _difference("ht", ht, ht_ref))
+        assert off.max() <= 2.0 ** -8 * o_ref.float().abs().max() and (off > 0).float().mean() < 0.05, (
+            _difference("o", o, o_ref))
+        assert (ht - ht_ref).abs().max() <= 2.0 ** -9 * ht_ref.abs().max(), _difference("ht", ht, ht_ref)
     clocks, chunks = kda_fwd.LAST_CLOCKS
     real = (chunks[:, 1] > 0).cpu().numpy()
     raw = clocks.cpu().numpy()
