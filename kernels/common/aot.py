@@ -87,9 +87,9 @@ def entry_name(kind: str, key: Any, specs: Sequence[Any]) -> str:
 def compile_for_export(fn: Any, specs: Sequence[Any]):
     """``cute.compile`` for sm_90a without a host JIT. The process must have ``CUTE_DSL_ARCH`` set to
     ``HOST_ARCH_ENV`` before ``cutlass`` was imported (:func:`main` does)."""
-    import cutlass.cute as cute
     from cutlass.base_dsl.compiler import Compiler
 
+    from cula.kernels.common import dsl_compile
     from cula.kernels.common.fast_launch import compile_args
 
     if os.environ.get("CUTE_DSL_ARCH") != HOST_ARCH_ENV:
@@ -99,7 +99,7 @@ def compile_for_export(fn: Any, specs: Sequence[Any]):
     from cula.kernels.sm90.kda_fwd_intra_tc import _compile_without_driver
 
     _compile_without_driver()  # launch bounds ask the device's shared memory per SM: the H200's without one
-    return cute.compile(fn, *compile_args(specs), options=f"--gpu-arch={GPU_ARCH}")
+    return dsl_compile.compile(fn, *compile_args(specs), options=f"--gpu-arch={GPU_ARCH}")
 
 
 def save(path: str | os.PathLike, compiled: Any) -> int:

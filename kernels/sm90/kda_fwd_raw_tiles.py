@@ -18,7 +18,8 @@ the upper half's suffixes). The products and roundings are the scheme's, in its 
 (``kda_fwd_intra_tc.emulate``), and the DSL form (:class:`RawTiles`, run by :class:`RawTilesProbe` on one chunk)
 against the model under the CPU emulator. Stage 2 runs it in ``kda_fwd_recur.KdaFwdRecurRaw`` (a warpgroup of its
 own) after stage 1 built with ``raw_out`` (the norms instead of the tiles); ``kda_fwd`` launches the pair behind
-``CULA_KDA_RAW_TILES=1``.
+``CULA_KDA_RAW_TILES=1``. Measured in session 40 (H100): correct, and a loss (stage 1 −23%, stage 2 3.5x slower at
+B2 T16384; +14-52% even with the transform skipped), so opt-in; kda_fwd.md, "raw tiles".
 """
 
 from __future__ import annotations
@@ -107,9 +108,9 @@ def first_column(tidx):
 class RawTiles:
     """One chunk's transform by a warpgroup, in place in shared memory: q → qg (scale q̂ ⊙ 2^Γ), k → −X (−k̂ ⊙ 2^Γ,
     stage 2's sign), g → kg (k̂ ⊙ 2^(Γ_C − Γ), token-major: the state update reads it MN-major). Tiles are
-    ``[64 tok, 128 k]`` bf16 tensors under any layout (coordinates only); ``nq`` / ``nk`` the rows' inverse norms
-    (fp32 [64], shared or global memory; the scale folded into q's). Rows at or past ``nvalid`` come out zero, with
-    a factor of one (Γ stops at the last valid row).
+    ``[64 tok, 128 k]`` bf16 tensors under any layout (coordinates only); the rows' inverse norms (fp32, the scale
+    folded into q's) come in registers, two rows a lane (:meth:`lane_norms`). Rows at or past ``nvalid`` come out
+    zero, with a factor of one (Γ stops at the last valid row).
 
     Warp w's lanes 0-15 take rows 0-31 and lanes 16-31 rows 32-63 of the same 16 column pairs (``PAIR`` columns a
     lane), so the halves' totals cross by one shuffle (no shared memory, no barrier). Both halves then read the

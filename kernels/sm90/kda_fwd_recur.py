@@ -227,8 +227,8 @@ class KdaFwdRecur:
         self.x_in = x_in
         # "raw tiles" (kda_fwd_raw_tiles; stage 1 then stores neither qg, kgᵀ nor -X): the TMA warp loads q, k and g
         # where it loaded qg, -X and kgᵀ, and a transform warpgroup forms qg, -X and kg in place (kg token-major: the
-        # state update reads it MN-major; the rows' inverse norms read from global memory) before the math warps
-        # read the stage
+        # state update reads it MN-major; the rows' inverse norms loaded a chunk ahead) before the math warps read
+        # the stage. Measured a loss (H100, session 40: stage 2 3.5x slower), so opt-in
         if raw_in and not x_in:
             raise ValueError("raw_in (raw tiles): needs x_in (w in stage 2), got x_in=False")
         if raw_in and variant != "v2":
@@ -236,6 +236,7 @@ class KdaFwdRecur:
         if gate not in RAW_GATES:
             raise ValueError(f"gate: expected one of {RAW_GATES}, got {gate!r}")
         self.raw_in, self.gate = raw_in, gate
+        self.raw_diag = ""  # KdaFwdRecurRaw's timing diagnostics (RAW_DIAGS)
         self.raw_tiles = RawTiles(gate, swizzled=True) if raw_in else None
         self.threads_v2 = RAW_BLOCK if raw_in else V2_THREADS
         self.tma_warp = RAW_TMA_WARP if raw_in else V2_TMA_WARP
@@ -974,7 +975,7 @@ class KdaFwdRecur:
                 pipe.consumer_wait(cons)
                 tpipe.producer_acquire(prod)
                 st = cons.index
-                if cutlass.const_expr(getattr(self, "raw_diag", "") != "skip"):
+                if cutlass.const_expr(self.raw_diag != "skip"):
                     self.raw_tiles.chunk(q_raw + st * tile_elems, k_raw + st * tile_elems, g_raw + st * tile_elems,
                                          qk_tile, g_tile, nrm, dtb, mChunks[c, 1], a_exp * f32(-RAW_RCP_LN2), -a_exp,
                                          lb_log2, ttid)
@@ -1618,24 +1619,26 @@ def layout_facts() -> dict:
         split_bad = 0
         for tile in (cute.slice_(raw.w2_layout.outer, (None, None, 0)),
                      cute.select(cute.slice_(raw.kgt2_layout.outer, (None, None, 0)), mode=[1, 0])):
-            split_bad += sum(
-                int(swz(int(cute.crd2idx((r0 + i, c), tile))) != int(cute.crd2idx((r0, 0), tile))
-                    + swz(int(cute.crd2idx((i, 0), tile)) + int(cute.crd2idx((0, c), tile))))
-                for r0 in (0, RAW_HALF) for i in range(RAW_HALF) for c in range(0, DK, RAW_PAIR))
+            # a (token, key) offset is its token's plus its key's (the modes' sum): two tables, not 8,192 calls
+            rows = [int(cute.crd2idx((r, 0), tile)) for r in range(CHUNK)]
+            cols = [int(cute.crd2idx((0, c), tile)) for c in range(0, DK, RAW_PAIR)]
+            split_bad += sum(int(swz(rows[r0 + i] + col) != rows[r0] + swz(rows[i] + col))
+                             for r0 in (0, RAW_HALF) for i in range(RAW_HALF) for col in cols)
         facts["raw_half_split_mismatches"] = split_bad
         facts["raw_swizzles"] = f"{raw.w2_layout.inner} {raw.kgt2_layout.inner}"
         # the state buffer: every fragment access of warp 0 (4-byte, value by value), per layout
-        c_s = rs_n128.get_slice(0).partition_C(cute.make_identity_tensor((BV, DK)))
+        # (each lane's (v, k) of each value, traced once for both layouts)
+        lane_crds = []
+        for t in range(32):
+            crd = rs_n128.get_slice(t).partition_C(cute.make_identity_tensor((BV, DK)))
+            base = tuple(int(x) for x in crd.iterator)
+            lane_crds.append([tuple(b + x for b, x in zip(base, coord(i, crd.layout)))
+                              for i in range(cute.size(crd))])
         for v_first in (False, True):
             kern = KdaFwdRecur(True, True, v_first, variant="v2", state_smem=True)
             extra = 0
-            for i in range(cute.size(c_s)):
-                addrs = []
-                for t in range(32):
-                    crd = rs_n128.get_slice(t).partition_C(cute.make_identity_tensor((BV, DK)))
-                    base = tuple(int(x) for x in crd.iterator)
-                    vv, kk = (b + x for b, x in zip(base, coord(i, crd.layout)))
-                    addrs.append(4 * int(kern.state_offset(vv, kk)))
+            for i in range(len(lane_crds[0])):
+                addrs = [4 * int(kern.state_offset(*lane_crds[t][i])) for t in range(32)]
                 extra += _bank_conflicts(addrs, 4)
             facts[f"state_{'vf' if v_first else 'kf'}_padded_conflicts"] = extra
         facts["swizzle_t64"] = str(t64.inner)
