@@ -938,7 +938,7 @@ class KdaFwdRecur:
     def transform_v2(self, ttid, cta, n_ctas, n_items, dims, pipe, tpipe, mChunks: cute.Tensor, mSeq: cute.Tensor,
                      q_raw: cute.Pointer, k_raw: cute.Pointer, g_raw: cute.Pointer, qk_tile: cute.Layout,
                      g_tile: cute.Layout, mNrm: cute.Tensor, mAlog: cute.Tensor, mDtb: cute.Tensor, lower_bound):
-        """raw_in, warps 5-8 (``ttid`` 0-127): for each chunk the TMA warp loads, once its loads land, form qg, -X and
+        """raw_in, warps 4-7 (``ttid`` 0-127): for each chunk the TMA warp loads, once its loads land, form qg, -X and
         kg in place (kda_fwd_raw_tiles.RawTiles; the rows' inverse norms loaded from global memory a chunk ahead,
         two rows a lane), then a fence for the async proxy (wgmma reads them) and an arrive for the math warps.
         Walks the CTA's items and chunks in the TMA warp's order."""
