@@ -195,11 +195,22 @@ def test_autograd_wiring(monkeypatch, varlen, sigmoid, ht, log_gate):
     pytest.importorskip("fla")
     from cula.kda import _train
 
+    from fla.ops.utils import index as fla_index
+
     rec = _Recorder(monkeypatch)
     B, T, HV = (1, 100, 2) if varlen else (2, 50, 2)
     aqk_made, akk_made = torch.randn(B, T, HV, 64), torch.randn(B, T, HV, 64)
+    order = []
+    real_indices = fla_index.prepare_chunk_indices
+
+    def indices(*args, **kwargs):
+        order.append("chunk_indices")
+        return real_indices(*args, **kwargs)
+
+    monkeypatch.setattr(fla_index, "prepare_chunk_indices", indices)
 
     def fake_kda_fwd(q, k, v, g, beta, **kw):
+        order.append("kda_fwd")
         assert kw["fla_factors"] and kw["use_qk_l2norm_in_kernel"] and kw["use_gate_in_kernel"] == (not log_gate)
         state = torch.zeros(2 if varlen else B, HV, 128, 128) if kw["output_final_state"] else None
         return v.clone(), state, aqk_made, akk_made
@@ -221,6 +232,8 @@ def test_autograd_wiring(monkeypatch, varlen, sigmoid, ht, log_gate):
                   cu_seqlens_cpu=None)
     o, h = _train.chunk(inputs)
     assert (h is not None) == ht
+    # FLA's varlen table (a host sync without cu_seqlens_cpu) comes before our launches, as in FLA's own forward
+    assert order == (["chunk_indices", "kda_fwd"] if varlen else ["kda_fwd"])
     (o.sum() + (h.sum() if ht else 0)).backward()
     for name, want in dict(q=10.0, k=20.0, v=3.0, g=5.0, beta=400.0 if sigmoid else 4.0, initial_state=6.0,
                            A_log=7.0, dt_bias=8.0).items():

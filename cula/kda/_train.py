@@ -115,6 +115,12 @@ class _CulaForwardFlaBackward(torch.autograd.Function):
 
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         with torch.cuda.device(q.device):  # FLA's kernels launch on the current device
+            # FLA's varlen chunk table reads cu_seqlens on the host (a sync, unless cu_seqlens_cpu is given): taken
+            # first, as FLA's own forward does, so the host does not wait for our kernels before it goes on to
+            # launch the rest of the step (after them, it did: the eager step is host-bound on short inputs)
+            chunk_indices = None
+            if cu_seqlens is not None:
+                chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK, cu_seqlens_cpu=opts.cu_seqlens_cpu)
             o, ht, aqk, akk = kda_fwd(
                 q, k, v, g, beta, scale=opts.scale, initial_state=initial_state,
                 output_final_state=opts.output_final_state, use_qk_l2norm_in_kernel=True,
@@ -127,9 +133,6 @@ class _CulaForwardFlaBackward(torch.autograd.Function):
             q_n, q_rstd = l2norm_fwd(q)
             k_n, k_rstd = l2norm_fwd(k)
             beta_s = fused_beta_sigmoid(beta, scale=opts.beta_scale) if opts.use_beta_sigmoid_in_kernel else beta
-            chunk_indices = None
-            if cu_seqlens is not None:
-                chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK, cu_seqlens_cpu=opts.cu_seqlens_cpu)
             g_cumsum = None  # the in-kernel gate: FLA's backward recomputes it from the raw g
             if not opts.use_gate_in_kernel:  # a log-space g: FLA saves its chunk-local cumsum in log2 units
                 g_cumsum = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens,
