@@ -7,7 +7,8 @@ three-CTA builds took 31.6 s on this project's CPU machine, 17.3 s without it, a
 (session 40; ``tests/test_dsl_compile.py`` checks the identity on a small kernel). The op's location keeps its file,
 line and function; only the source text in its name is dropped.
 
-The swap is scoped (:func:`lines_only`) and counted, so concurrent compiles restore it once, after the last.
+Used by the KDA launcher (``fast_launch.compile_launcher``), Lightning's ``_compile``, the AOT build and the PTX
+checks. The swap is scoped (:func:`lines_only`) and counted, so concurrent compiles restore it once, after the last.
 """
 
 from __future__ import annotations
