@@ -357,32 +357,36 @@ def _fmax(a, b):
     return F(max(_v(a), _v(b)))
 
 
-def _shuffle_sync_bfly(x, offset: int, mask: int = -1, mask_and_clamp: int = 31):
-    # One barrier per shuffle: a lane writes slot array k % 2 for its k-th shuffle, so a fast lane
-    # cannot overwrite values not yet read (writing array k % 2 again, for shuffle k + 2, needs every
-    # lane past shuffle k + 1's barrier, hence done reading shuffle k).
+def _exchange(x, source):
+    """A warp shuffle: every lane posts ``x`` and reads the value of lane ``source(lane)``.
+
+    One barrier per shuffle: a lane writes slot array k % 2 for its k-th shuffle, so a fast lane cannot
+    overwrite values not yet read (writing array k % 2 again, for shuffle k + 2, needs every lane past
+    shuffle k + 1's barrier, hence done reading shuffle k)."""
     barrier, buffers = _tls.cta.warps[_tls.tid // 32]
     slots = buffers[_tls.shuffles & 1]
     _tls.shuffles += 1
     lane = _tls.tid % 32
     slots[lane] = x
     barrier.wait()
-    return slots[lane ^ int(offset)]
+    return slots[source(lane)]
+
+
+def _shuffle_sync_bfly(x, offset: int, mask: int = -1, mask_and_clamp: int = 31):
+    return _exchange(x, lambda lane: lane ^ int(offset))
 
 
 def _shuffle_sync(x, offset, mask: int = -1, mask_and_clamp: int = 31):
     # idx mode, PTX's rule: c = segment mask (bits 12:8) | clamp (bits 4:0); a source past the clamp reads
-    # the lane's own value. The slot scheme is the butterfly's.
-    barrier, buffers = _tls.cta.warps[_tls.tid // 32]
-    slots = buffers[_tls.shuffles & 1]
-    _tls.shuffles += 1
-    lane = _tls.tid % 32
-    slots[lane] = x
-    barrier.wait()
+    # the lane's own value
     seg, clamp = (int(mask_and_clamp) >> 8) & 31, int(mask_and_clamp) & 31
-    lo = lane & seg
-    src = lo | (int(offset) & ~seg & 31)
-    return slots[src if src <= (lo | (clamp & ~seg)) else lane]
+
+    def source(lane):
+        lo = lane & seg
+        src = lo | (int(offset) & ~seg & 31)
+        return src if src <= (lo | (clamp & ~seg)) else lane
+
+    return _exchange(x, source)
 
 
 _INT_UNWRITTEN = -(1 << 63)  # what an int64 buffer filled with NaN holds

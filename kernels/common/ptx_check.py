@@ -366,14 +366,13 @@ class ReportCache:
                 mine = [t for t in targets if (module, t) not in self._done and (module, t) not in self._running]
                 if mine:
                     self._take(module, mine)
-                elif self._queue:
-                    module_b, mine_b = self._queue.pop(0)
-                    self._running.update((module_b, t) for t in mine_b)
-                    job = (module_b, mine_b)
+                    job = (module, mine)
+                elif self._queue:  # ours compile elsewhere: a queued batch here meanwhile
+                    job = self._queue.pop(0)
+                    self._running.update((job[0], t) for t in job[1])
                 else:
                     self._lock.wait()
                     continue
-                job = (module, mine) if mine else job
             self._compile(*job)
 
     def _take(self, module: str, mine: list[str]) -> None:

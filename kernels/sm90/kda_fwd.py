@@ -81,10 +81,10 @@ PACK = __import__("os").environ.get("CULA_KDA_PACK")
 #: stage 1 -3.3%, stage 2 +3 to +4% at B2 T16384, the n20 T4096 rows -0.9 to -1.5%; the 18 checks (unpacked and
 #: packed) and 18 GPU tests pass. On by default; ``CULA_KDA_W_IN_RECUR=0`` turns it off.
 W_IN_RECUR = __import__("os").environ.get("CULA_KDA_W_IN_RECUR", "1") == "1"
-#: "Raw tiles" (session 39, opt-in, not yet run on a GPU): stage 1 stores the rows' inverse norms instead of qg, kgᵀ
-#: and -X (``raw_out``) and stage 2 forms those tiles from q, k and g in a warpgroup of its own
-#: (``kda_fwd_recur.KdaFwdRecurRaw``). Needs w in stage 2, the l2norm and a bf16 gate; on the H100 the stores it
-#: removes cost stage 1 20% (session 39's ``s38_raw``). ``CULA_KDA_RAW_TILES=1`` turns it on.
+#: "Raw tiles" (session 39, opt-in): stage 1 stores the rows' inverse norms instead of qg, kgᵀ and -X (``raw_out``)
+#: and stage 2 forms those tiles from q, k and g in a warpgroup of its own (``kda_fwd_recur.KdaFwdRecurRaw``). Needs
+#: w in stage 2, the l2norm and a bf16 gate. Its GPU tests pass, but it loses (H100, session 40, B2 T16384: stage 1
+#: 1.309 -> 1.009 ms, stage 2 1.051 -> 3.70 ms; kda_fwd.md). ``CULA_KDA_RAW_TILES=1`` turns it on.
 RAW_TILES = __import__("os").environ.get("CULA_KDA_RAW_TILES", "0") == "1"
 PACK_ABOVE_CHUNKS = 7  # = kda_fwd_recur.STATE_SMEM_MAX_CHUNKS (tests check it)
 
