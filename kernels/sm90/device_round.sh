@@ -34,6 +34,15 @@ if [[ " $steps " == *" first "* ]]; then
     echo "== first ($gpu): $steps"
 fi
 # "s38": session 38's queue in one call (~260 s warm): the clock's GPU tests, then s38_raw and s38_clock
+# "s41first": session 41's first call: on an H200 the three suites to publish first (its rows predate session 21), then
+# s41 and train_suite twice (the eager varlen rows' spread after cc403a6); on an H100 s41 and train_suite twice
+if [[ " $steps " == *" s41first "* ]]; then
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+    first="s41 train_suite train_suite"
+    [[ "$gpu" == *H200* ]] && first="kda_suite kda_layer_suite train_suite s41 train_suite"
+    steps=$(echo " $steps " | sed "s/ s41first / $first /" | xargs)
+    echo "== s41first ($gpu): $steps"
+fi
 if [[ " $steps " == *" s38 "* ]]; then
     steps=$(echo " $steps " | sed "s/ s38 / s38_clock_test s38_raw s38_clock /" | xargs)
     echo "== s38: $steps"
@@ -561,6 +570,15 @@ tc-lb536-strong,tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
     cp_fla)  # 2+ GPUs: FLA's own CP on the same inputs (FLA tunes its CP kernels in every rank: alone, 300 s)
         step cp_fla 300 python3 -m cula.cp.multigpu --variants kda --impl fla-native \
             --scaling-T 131072,262144,524288 --reps 10 --store "$OUT/results" --md "$OUT/cp_fla.md" ;;
+    s41)  # session 41: what sessions 40 changed on the host, run on a GPU for the first time: a KDA launch compiled on
+        # the device (no AOT: fast_launch.compile_launcher through dsl_compile; the step's time is mostly the two
+        # compiles), Lightning's first-call compile (dsl_compile) through its GPU tests, the training tests after
+        # cc403a6 (FLA's varlen chunk table built before our launches)
+        step s41_compile_check 200 env -u CULA_AOT_DIR python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
+            --cases tc-T1,tc-varlen-zero
+        step s41_lightning 200 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf tests/test_kernel_lightning_fwd.py
+        step kda_train ${TRAIN_LIMIT:-300} python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf --durations=0 \
+            tests/test_kda_train.py ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
