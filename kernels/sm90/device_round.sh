@@ -38,8 +38,8 @@ fi
 # s41 and train_suite twice (the eager varlen rows' spread after cc403a6); on an H100 s41 and train_suite twice
 if [[ " $steps " == *" s41first "* ]]; then
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
-    first="s41 train_suite train_suite"
-    [[ "$gpu" == *H200* ]] && first="kda_suite kda_layer_suite train_suite s41 train_suite"
+    first="s41_l2 s41 train_suite train_suite"
+    [[ "$gpu" == *H200* ]] && first="kda_suite kda_layer_suite train_suite s41_l2 s41 train_suite"
     steps=$(echo " $steps " | sed "s/ s41first / $first /" | xargs)
     echo "== s41first ($gpu): $steps"
 fi
@@ -54,7 +54,7 @@ step() {  # step NAME TIMEOUT CMD...
     timeout "$t" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     echo "== $name rc=$rc in $((SECONDS - s)) s (total $((SECONDS - start)) s)"
-    grep -E "passed|failed|error|PASS|FAIL|EXCEPTION|split|correctness|config|eager|graph|\[scale\]|\[clock\]" \
+    grep -E "passed|failed|error|PASS|FAIL|EXCEPTION|split|correctness|config|eager|graph|\[scale\]|\[clock\]|\[l2_premise\]" \
         "$OUT/$name.log" | tail -n 25
     return $rc
 }
@@ -579,6 +579,9 @@ tc-lb536-strong,tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
         step s41_lightning 200 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf tests/test_kernel_lightning_fwd.py
         step kda_train ${TRAIN_LIMIT:-300} python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf --durations=0 \
             tests/test_kda_train.py ;;
+    s41_l2)  # session 41: what a stage-2 chunk costs one CTA with its inputs in L2 (the premise of stage 2 running beside
+        # stage 1 chunk by chunk, the hand-off never leaving L2): kda_fwd_profile --l2-premise, cold / warm
+        step s41_l2 200 python3 -u -m cula.kernels.sm90.kda_fwd_profile --l2-premise ;;
     kda_suite)  # the kda prefill suite against FLA (set CULA_GIT_SHA to the committed sha first)
         step kda_suite 150 env CULA_GIT_DIRTY=0 python3 -m cula.cli bench --suite kda --mode both \
             --impl fla,cula --plain --out-dir "$OUT" --max-time 0.2 ;;
