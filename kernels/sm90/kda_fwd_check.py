@@ -102,6 +102,16 @@ def _inputs(name, B, T, H, HV, cu, flags, dev, seed=0):
     return (q, k, v, g, beta), kw
 
 
+#: (B, T, H, HV, stage-2 CTAs) of tests/test_kda_lockstep.py's GPU test (kda_fwd.LOCKSTEP): packed and unpacked (3
+#: chunks a sequence), GVA, a short last round (4 pairs, 3 a round), and the default CTA count on 32 pairs
+LOCKSTEP_CASES = ((2, 1000, 4, 4, 4), (1, 4096, 8, 8, 6), (3, 129, 2, 4, 2), (2, 2048, 16, 16, 40))
+
+
+def lockstep_inputs(B: int, T: int, H: int, HV: int, dev) -> tuple:
+    """``(args, kw)`` of a LOCKSTEP_CASES row: the tensor-core flags, lower bound -5, initial and final state."""
+    return _inputs("lockstep", B, T, H, HV, None, dict(_TC, lower_bound=-5.0), dev=dev)
+
+
 def _rel(a, b):
     a, b = a.double(), b.double()
     if not torch.isfinite(a).all():
