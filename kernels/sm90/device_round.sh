@@ -34,12 +34,12 @@ if [[ " $steps " == *" first "* ]]; then
     echo "== first ($gpu): $steps"
 fi
 # "s38": session 38's queue in one call (~260 s warm): the clock's GPU tests, then s38_raw and s38_clock
-# "s41first": session 41's first call: on an H200 the three suites to publish first (its rows predate session 21), then
-# s41 and train_suite twice (the eager varlen rows' spread after cc403a6); on an H100 s41 and train_suite twice
+# "s41first": session 41's first call: on an H200 two suites to publish first (its rows predate session 21); then the
+# L2 premise, the lockstep GPU test and splits, s41 (the host-side checks of session 40) and train_suite
 if [[ " $steps " == *" s41first "* ]]; then
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
-    first="s41_l2 s41 train_suite train_suite"
-    [[ "$gpu" == *H200* ]] && first="kda_suite kda_layer_suite train_suite s41_l2 s41 train_suite"
+    first="s41_l2 s41_lockstep s41 train_suite"
+    [[ "$gpu" == *H200* ]] && first="kda_suite kda_layer_suite s41_l2 s41_lockstep s41 train_suite"
     steps=$(echo " $steps " | sed "s/ s41first / $first /" | xargs)
     echo "== s41first ($gpu): $steps"
 fi
@@ -579,6 +579,16 @@ tc-lb536-strong,tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
         step s41_lightning 200 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf tests/test_kernel_lightning_fwd.py
         step kda_train ${TRAIN_LIMIT:-300} python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf --durations=0 \
             tests/test_kda_train.py ;;
+    s41_lockstep)  # session 41: stage 2 beside stage 1 (CULA_KDA_LOCKSTEP=1; a trap after ~8.6 s ends a wrong wait): the
+        # bitwise GPU test, then --split worst by stage 2's CTAs (only B2 T16384 runs lockstep; "both" is what moves)
+        step s41_lockstep_test 200 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider -rf tests/test_kda_lockstep.py \
+            || continue
+        step s41_split_default 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
+        for n in 40 56 28; do
+            step s41_split_lockstep$n 90 env CULA_KDA_LOCKSTEP=1 CULA_KDA_LOCKSTEP_CTAS=$n python3 -u -m \
+                cula.kernels.sm90.kda_fwd --check --split worst
+        done
+        step s41_split_default 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst ;;
     s41_l2)  # session 41: what a stage-2 chunk costs one CTA with its inputs in L2 (the premise of stage 2 running beside
         # stage 1 chunk by chunk, the hand-off never leaving L2): kda_fwd_profile --l2-premise, cold / warm
         step s41_l2 200 python3 -u -m cula.kernels.sm90.kda_fwd_profile --l2-premise ;;
