@@ -38,8 +38,8 @@ fi
 # L2 premise, the lockstep GPU test and splits, s41 (the host-side checks of session 40) and train_suite
 if [[ " $steps " == *" s41first "* ]]; then
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
-    first="s41_l2 s41_lockstep s41 train_suite"
-    [[ "$gpu" == *H200* ]] && first="kda_suite kda_layer_suite s41_l2 s41_lockstep s41 train_suite"
+    first="s41_l2 s41_lockstep train s41 train_suite"
+    [[ "$gpu" == *H200* ]] && first="kda_suite kda_layer_suite s41_l2 s41_lockstep train s41 train_suite"
     steps=$(echo " $steps " | sed "s/ s41first / $first /" | xargs)
     echo "== s41first ($gpu): $steps"
 fi
@@ -570,21 +570,20 @@ tc-lb536-strong,tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
     cp_fla)  # 2+ GPUs: FLA's own CP on the same inputs (FLA tunes its CP kernels in every rank: alone, 300 s)
         step cp_fla 300 python3 -m cula.cp.multigpu --variants kda --impl fla-native \
             --scaling-T 131072,262144,524288 --reps 10 --store "$OUT/results" --md "$OUT/cp_fla.md" ;;
-    s41)  # session 41: what sessions 40 changed on the host, run on a GPU for the first time: a KDA launch compiled on
-        # the device (no AOT: fast_launch.compile_launcher through dsl_compile; the step's time is mostly the two
-        # compiles), Lightning's first-call compile (dsl_compile) through its GPU tests, the training tests after
-        # cc403a6 (FLA's varlen chunk table built before our launches)
+    s41)  # session 41: what session 40 changed on the host, run on a GPU for the first time (with `train`, the training
+        # tests after cc403a6): a KDA launch compiled on the device (no AOT: fast_launch.compile_launcher through
+        # dsl_compile; the step's time is mostly the two compiles), Lightning's first-call compile (dsl_compile)
+        # through its GPU tests
         step s41_compile_check 200 env -u CULA_AOT_DIR python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench \
             --cases tc-T1,tc-varlen-zero
         step s41_lightning 200 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf tests/test_kernel_lightning_fwd.py
-        step kda_train ${TRAIN_LIMIT:-300} python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf --durations=0 \
-            tests/test_kda_train.py ;;
+        ;;
     s41_lockstep)  # session 41: stage 2 beside stage 1 (CULA_KDA_LOCKSTEP=1; a trap after ~8.6 s ends a wrong wait): the
         # bitwise GPU test, then --split worst by stage 2's CTAs (only B2 T16384 runs lockstep; "both" is what moves)
         step s41_lockstep_test 200 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider -rf tests/test_kda_lockstep.py \
             || continue
         step s41_split_default 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
-        for n in 40 56 28; do
+        for n in ${LOCKSTEP_SPLITS:-40 56}; do
             step s41_split_lockstep$n 90 env CULA_KDA_LOCKSTEP=1 CULA_KDA_LOCKSTEP_CTAS=$n python3 -u -m \
                 cula.kernels.sm90.kda_fwd --check --split worst
         done
