@@ -579,15 +579,16 @@ tc-lb536-strong,tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
         step s41_lightning 200 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf tests/test_kernel_lightning_fwd.py
         ;;
     s41_lockstep)  # session 41: stage 2 beside stage 1 (CULA_KDA_LOCKSTEP=1; a trap after ~8.6 s ends a wrong wait): the
-        # bitwise GPU test, then --split worst by stage 2's CTAs (only B2 T16384 runs lockstep; "both" is what moves)
+        # bitwise GPU test, then --split lockstep (its fixed rows) by stage 2's CTAs ("both" is what moves)
         step s41_lockstep_test 200 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider -rf tests/test_kda_lockstep.py \
             || continue
-        step s41_split_default 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
+        step s41_split_default 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split lockstep
         for n in ${LOCKSTEP_SPLITS:-40 56}; do
             step s41_split_lockstep$n 90 env CULA_KDA_LOCKSTEP=1 CULA_KDA_LOCKSTEP_CTAS=$n python3 -u -m \
-                cula.kernels.sm90.kda_fwd --check --split worst
+                cula.kernels.sm90.kda_fwd --check --split lockstep
         done
-        step s41_split_default 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst ;;
+        [ -n "${LOCKSTEP_SHORT:-}" ] || step s41_split_default 90 python3 -u -m cula.kernels.sm90.kda_fwd --check \
+            --split lockstep ;;
     s41_l2)  # session 41: what a stage-2 chunk costs one CTA with its inputs in L2 (the premise of stage 2 running beside
         # stage 1 chunk by chunk, the hand-off never leaving L2): kda_fwd_profile --l2-premise, cold / warm
         step s41_l2 200 python3 -u -m cula.kernels.sm90.kda_fwd_profile --l2-premise ;;
