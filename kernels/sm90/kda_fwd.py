@@ -961,7 +961,9 @@ def lockstep_order(B: int, chunks_per_seq: int, HV: int, ctas: int, device) -> t
     chunk by chunk: stage 1 goes round by round through those pairs, in each round chunk 0 of every pair, then chunk
     1, .... Torch ops on ``device`` (no host sync), cached per shape."""
     key = (B, chunks_per_seq, HV, ctas, str(device))
-    if key not in _LOCKSTEP_ORDERS:
+    # not cached while a CUDA graph is captured: the tensor would come from the graph's private memory pool
+    capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if key not in _LOCKSTEP_ORDERS or capturing:
         g = max(1, ctas // 2)  # pairs a round
         pairs = B * HV
         p = torch.arange(pairs, device=device)
@@ -973,6 +975,8 @@ def lockstep_order(B: int, chunks_per_seq: int, HV: int, ctas: int, device) -> t
         code = (code << 16) | (p % HV)[:, None]
         order = torch.empty(pairs * chunks_per_seq, dtype=torch.int32, device=device)
         order[pos.reshape(-1)] = code.reshape(-1).to(torch.int32)
+        if capturing:
+            return order
         _LOCKSTEP_ORDERS[key] = order
     return _LOCKSTEP_ORDERS[key]
 
