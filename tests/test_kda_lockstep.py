@@ -195,3 +195,18 @@ def test_gpu_bitwise_equals_sequential(B, T, H, HV, ctas, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(o_g, o_ref)
+
+
+def test_model_bounds():
+    """kda_fwd_profile.lockstep_model: with stage 2 free the end is stage 1's waves on the slots left to it; with stage
+    1 free it is the steps of the busiest stage-2 CTA; a stage 2 slower than stage 1 keeps more hand-off alive."""
+    from cula.kernels.sm90.kda_fwd_profile import lockstep_model
+
+    B, T, HV, ctas = 2, 64 * 10, 8, 6  # 160 stage-1 CTAs, 32 items of 10 chunks on 6 CTAs
+    r = lockstep_model(B, T, HV, ctas, t2_us=1e-6, life_us=10.0, sms=10, per_sm=2)  # 8 slots: 20 waves
+    assert r["stage1_end_ms"] == pytest.approx(20 * 10.0 / 1e3) and r["end_ms"] == pytest.approx(0.2, rel=1e-6)
+    r = lockstep_model(B, T, HV, ctas, t2_us=1.0, life_us=1e-6, sms=10, per_sm=2)
+    assert r["end_ms"] == pytest.approx(6 * 10 * 1.0 / 1e3, rel=1e-3)  # ceil(32 / 6) = 6 items of 10 steps
+    slow = lockstep_model(B, T, HV, ctas, t2_us=5.0, life_us=10.0, sms=10, per_sm=2)
+    fast = lockstep_model(B, T, HV, ctas, t2_us=0.1, life_us=10.0, sms=10, per_sm=2)
+    assert slow["peak_mb"] > fast["peak_mb"]
