@@ -7,6 +7,8 @@ the final state bitwise those of the sequential launch, several CTA counts, twic
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -16,7 +18,15 @@ from cula.kernels.sm90.kda_fwd_check import LOCKSTEP_CASES
 
 
 def _decode(order: torch.Tensor) -> list[tuple[int, int]]:
-    return [(int(c) >> 16, int(c) & 0xFFFF) for c in order]
+    return [((int(c) >> 16) & 0xFFFF, int(c) & 0xFFFF) for c in order]
+
+
+def test_order_codes_past_2_15_chunks():
+    """Chunk indices of 2^15 and more (the stage-1 grid allows NC up to 65,535) fill the int32's sign bit: they
+    decode back, with the mask KdaFwdIntraTC.my_coords applies."""
+    order = kda_fwd.lockstep_order(1, 40000, 2, 2, "cpu")
+    assert order.dtype == torch.int32 and int(order.min()) < 0
+    assert sorted(_decode(order)) == [(c, h) for c in range(40000) for h in range(2)]
 
 
 @pytest.mark.parametrize("B, ncs, HV, ctas", [(1, 5, 4, 4), (2, 7, 3, 4), (2, 3, 64, 40), (3, 4, 5, 6),
@@ -159,6 +169,7 @@ def test_ptx():
         assert all(k.spill_store_bytes == 0 and k.spill_load_bytes == 0 for k in r.kernels)
         assert ".local" not in r.ptx
     assert r1.ptx.count("st.release.gpu.global.u32") == 1 and "cp.async.bulk.wait_group 0;" in r1.ptx
+    assert re.search(r"shr\.u32\s+%r\d+, %r\d+, 16;", r1.ptx)  # the table's chunk: a logical shift (codes < 0)
     assert all(k.registers <= 168 for k in r1.kernels)  # three CTAs an SM still fit
     assert "ld.acquire.gpu.global.u32" in r2.ptx and "nanosleep.u32" in r2.ptx and "trap;" in r2.ptx
 

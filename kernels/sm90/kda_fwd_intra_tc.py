@@ -506,7 +506,7 @@ class KdaFwdIntraTC:
         chunk, hv = bx, by
         if cutlass.const_expr(self.lockstep):
             code = self.lockstep_tail(pGam, HV, NC)[HV * NC + by * HV + bx]
-            chunk, hv = code >> 16, code & 0xFFFF
+            chunk, hv = (code >> 16) & 0xFFFF, code & 0xFFFF  # (the mask: chunks >= 2^15 make the code negative)
         elif cutlass.const_expr(self.order != "chunk"):
             chunk, hv = NC - 1 - by, bx
         return chunk, hv

@@ -118,7 +118,7 @@ def lockstep_model(B: int, T: int, HV: int, ctas: int, t2_us: float, life_us: fl
     done = {}
     for code in order:  # the earliest free slot takes the next CTA
         start = heapq.heappop(slots)
-        done[(code >> 16, code & 0xFFFF)] = start + life_us
+        done[((code >> 16) & 0xFFFF, code & 0xFFFF)] = start + life_us
         heapq.heappush(slots, start + life_us)
     items = 2 * B * HV
     read = {}
