@@ -12,41 +12,31 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . >"$OUT/install.log" 2>&1 \
     || { echo "== install failed"; tail -5 "$OUT/install.log"; }
 steps=${*:-decode bench_gpu kda_check packed}
+expand() {  # expand ALIAS STEPS [H200_STEPS]: the alias in $steps becomes STEPS, or H200_STEPS where an H200 came
+    local alias=$1 with=$2 gpu=""
+    [[ " $steps " == *" $alias "* ]] || return 0
+    if [ $# -gt 2 ]; then
+        gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+        [[ "$gpu" == *H200* ]] && with=$3
+    fi
+    steps=$(echo " $steps " | sed "s/ $alias / $with /" | xargs)
+    echo "== $alias${gpu:+ ($gpu)}: $steps"
+}
 # "next" / "next2": the next session's first and second calls (docs/DEVICE.md): the three suites to publish
 # (CULA_GIT_SHA set; session 25 published kda and kda_layer on an H100 only), then fused_premise and block32 (16-
 # against 32-row blocks), on whichever card came (session 25 ran fused_premise once, on an H100)
-if [[ " $steps " == *" next "* ]]; then
-    steps=$(echo " $steps " | sed "s/ next / kda_suite train_suite kda_layer_suite /" | xargs)
-    echo "== next: $steps"
-fi
-if [[ " $steps " == *" next2 "* ]]; then
-    steps=$(echo " $steps " | sed "s/ next2 / fused_premise block32 /" | xargs)
-    echo "== next2: $steps"
-fi
+expand next "kda_suite train_suite kda_layer_suite"
+expand next2 "fused_premise block32"
 # "first": the next session's first call on whichever card comes (docs/DEVICE.md): on an H200 the three suites to
 # publish (its rows predate session 21), the sanitizers and the AOT GPU test (fixed in session 36); on an H100 the
 # AOT GPU test alone
-if [[ " $steps " == *" first "* ]]; then
-    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
-    first="aot_gpu"
-    [[ "$gpu" == *H200* ]] && first="kda_suite train_suite kda_layer_suite sanitize aot_gpu"
-    steps=$(echo " $steps " | sed "s/ first / $first /" | xargs)
-    echo "== first ($gpu): $steps"
-fi
-# "s38": session 38's queue in one call (~260 s warm): the clock's GPU tests, then s38_raw and s38_clock
+expand first "aot_gpu" "kda_suite train_suite kda_layer_suite sanitize aot_gpu"
 # "s41first": session 41's first call: on an H200 two suites to publish first (its rows predate session 21); then the
 # L2 premise, the lockstep GPU test and splits, s41 (the host-side checks of session 40) and train_suite
-if [[ " $steps " == *" s41first "* ]]; then
-    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
-    first="s41_l2 s41_lockstep train s41 train_suite"
-    [[ "$gpu" == *H200* ]] && first="kda_suite kda_layer_suite s41_l2 s41_lockstep train s41 train_suite"
-    steps=$(echo " $steps " | sed "s/ s41first / $first /" | xargs)
-    echo "== s41first ($gpu): $steps"
-fi
-if [[ " $steps " == *" s38 "* ]]; then
-    steps=$(echo " $steps " | sed "s/ s38 / s38_clock_test s38_raw s38_clock /" | xargs)
-    echo "== s38: $steps"
-fi
+expand s41first "s41_l2 s41_lockstep train s41 train_suite" \
+    "kda_suite kda_layer_suite s41_l2 s41_lockstep train s41 train_suite"
+# "s38": session 38's queue in one call (~260 s warm): the clock's GPU tests, then s38_raw and s38_clock
+expand s38 "s38_clock_test s38_raw s38_clock"
 start=$SECONDS
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 t=$2; shift 2
