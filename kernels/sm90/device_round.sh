@@ -31,10 +31,11 @@ expand next2 "fused_premise block32"
 # publish (its rows predate session 21), the sanitizers and the AOT GPU test (fixed in session 36); on an H100 the
 # AOT GPU test alone
 expand first "aot_gpu" "kda_suite train_suite kda_layer_suite sanitize aot_gpu"
-# "s41first": session 41's first call: on an H200 two suites to publish first (its rows predate session 21); then the
-# L2 premise, the lockstep GPU test and splits, s41 (the host-side checks of session 40) and train_suite
+# "s41first": session 41's first call: the L2 premise first (it decides lockstep's fate; starts are scarce), on an
+# H200 then two suites to publish (its rows predate session 21); then the lockstep GPU test and splits, s41 (the
+# host-side checks of session 40) and train_suite
 expand s41first "s41_l2 s41_lockstep train s41 train_suite" \
-    "kda_suite kda_layer_suite s41_l2 s41_lockstep train s41 train_suite"
+    "s41_l2 kda_suite kda_layer_suite s41_lockstep train s41 train_suite"
 # "s38": session 38's queue in one call (~260 s warm): the clock's GPU tests, then s38_raw and s38_clock
 expand s38 "s38_clock_test s38_raw s38_clock"
 start=$SECONDS
