@@ -37,6 +37,8 @@ expand first "aot_gpu" "kda_suite train_suite kda_layer_suite sanitize aot_gpu"
 expand s41first "s41_l2 s41_lockstep train s41 train_suite" \
     "s41_l2 kda_suite kda_layer_suite s41_lockstep train s41 train_suite"
 # "s38": session 38's queue in one call (~260 s warm): the clock's GPU tests, then s38_raw and s38_clock
+# "s42": session 42's last call: on an H100 stage 2 under ncu; on an H200 first the premise there and both suites
+expand s42 "ncu_recur" "s41_l2 kda_suite kda_layer_suite ncu_recur"
 expand s38 "s38_clock_test s38_raw s38_clock"
 start=$SECONDS
 step() {  # step NAME TIMEOUT CMD...
@@ -151,6 +153,16 @@ for s in $steps; do
         ncu -i "$OUT/intra_tc.ncu-rep" --page source --csv --print-source ptx > "$OUT/ncu_ptx.csv" 2>&1
         grep -iE "warp cycles|eligible|issued|throughput|registers|occupancy" "$OUT/ncu_details.txt" | head -30
         python3 -m cula.kernels.common.ncu_phases "$OUT/ncu_sass.csv" --warps $((4096 * 4)) ;;
+    ncu_recur)  # session 42: stage 2 (v2) at B2 T16384 under ncu (one launch, full set): is its ~2 us chunk step its chain
+        # (one math warpgroup: tensor pipe mostly idle, warps waiting on wgmma / barriers) or memory?
+        step ncu_recur 240 ncu --clock-control none -k regex:recur --launch-count 1 --set full \
+            --import-source no -o "$OUT/recur" python3 -m cula.kernels.sm90.kda_fwd_profile --B 2 --T 16384 --H 64 \
+            --stage recur
+        ncu -i "$OUT/recur.ncu-rep" --page details > "$OUT/ncu_recur_details.txt" 2>&1
+        ncu -i "$OUT/recur.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_recur_sass.csv" 2>&1
+        grep -iE "warp cycles|eligible|issued|throughput|registers|occupancy|pipe|duration" \
+            "$OUT/ncu_recur_details.txt" | head -40
+        python3 -m cula.kernels.common.ncu_phases "$OUT/ncu_recur_sass.csv" --warps $((132 * 5)) | head -40 ;;
     s6)  # session 6: leaner gate / exponent arguments in stage 1: checks, split, then the gradient API tests
         step kda_check 110 python3 -m cula.kernels.sm90.kda_fwd --check --no-bench --cases tc-T65-gva-vfirst,tc-lb11-strong
         step kda_split 70 python3 -m cula.kernels.sm90.kda_fwd --check --split all ;;
