@@ -15,7 +15,6 @@ the modules of older kernel sources from DIR.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,10 +61,6 @@ SCENARIOS = {
     # device_round raw_tiles / raw_suite: the raw tiles end to end (CULA_KDA_RAW_TILES=1) in the split rows and suites
     "raw_split": ("split", {"RAW_TILES": True}),
     "raw_suites": ("suites", {"RAW_TILES": True}),
-    # device_round s41_lockstep: stage 2 beside stage 1 (kda_fwd.LOCKSTEP) in its GPU test's calls and the split rows
-    "lockstep_checks": ("lockstep", {"LOCKSTEP": True, "LOCKSTEP_MIN_STAGE1_CTAS": 0,
-                                     "_launch_lockstep": "record_lockstep"}),
-    "lockstep_split": ("split", {"LOCKSTEP": True, "_launch_lockstep": "record_lockstep"}),
     # device_round gate_factors / subst: the default stage 1 with the pre-session-21 factors (2^Γ by exp2) or
     # substitution (left-looking), in checks and splits (the first mode of each list is the default)
     **{f"gate_{m}_{w}": (what, {"intra_tc.GATE_FACTORS": m}) for m in _GATE_FACTOR_MODES[1:]
@@ -240,14 +235,8 @@ def record_launches(scenario: str) -> list[tuple]:
         mod, _, attr = name.rpartition(".")
         return modules.get(mod, kda_fwd), attr
 
-    saved = {n: getattr(*owner(n)) for n in ("_launcher", "sm_count", "LOCKSTEP_CTAS", "LOCKSTEP", *settings)}
+    saved = {n: getattr(*owner(n)) for n in ("_launcher", "sm_count", *settings)}
     saved_fl, saved_dev = fl.current_stream_handle, torch.cuda.current_device
-
-    def record_lockstep(intra_launch, intra_values, launch_recur, recur_args, ctas, dev):
-        intra_launch(*intra_values)  # (the streams are the device's: only the launches are recorded)
-        launch_recur(*recur_args, False, 0, ctas)
-
-    settings = {n: (record_lockstep if v == "record_lockstep" else v) for n, v in settings.items()}
 
     def launcher(kind, key, make_kernel, specs):
         seen.setdefault((kind, key), (kind, key, make_kernel, specs))
@@ -268,13 +257,6 @@ def record_launches(scenario: str) -> list[tuple]:
             if which == "train":
                 for args, kw in _train_test_calls():
                     kda_fwd.kda_fwd(*args, **kw)
-            return list(seen.values())
-        if which == "lockstep":
-            for (B, T, H, HV, ctas), on in itertools.product(chk.LOCKSTEP_CASES, (True, False)):  # and the reference
-                kda_fwd.LOCKSTEP_CTAS, kda_fwd.LOCKSTEP = ctas, on
-                args, kw = chk.lockstep_inputs(B, T, H, HV, torch.device("cpu"))
-                kda_fwd.kda_fwd(*args, **kw)
-                kda_fwd.kda_fwd(*args, **{**kw, "initial_state": None, "output_final_state": False})
             return list(seen.values())
         cases = [c for c in chk.CASES if c[0].startswith("tc-") or which == "all"]
         for case in cases:
@@ -354,7 +336,7 @@ CORE_SCENARIOS = ("default", "u_in_recur", "split", "split_u", "suites", "checks
                   "ctas2_split", "suites_ctas2", "unpacked_checks", "ctas2_unpacked_checks", "diag_no_qkx",
                   "widen_cvt_checks", "kgt_kh_checks", "s36_split",
                   "gate_square_checks", "gate_square_split", "diag_clock",
-                  "diag_no_stores", "raw_split", "raw_suites", "lockstep_checks", "lockstep_split")
+                  "diag_no_stores", "raw_split", "raw_suites")
 
 
 def main(argv: list[str]) -> int:

@@ -31,11 +31,9 @@ expand next2 "fused_premise block32"
 # publish (its rows predate session 21), the sanitizers and the AOT GPU test (fixed in session 36); on an H100 the
 # AOT GPU test alone
 expand first "aot_gpu" "kda_suite train_suite kda_layer_suite sanitize aot_gpu"
-# "s41first": session 41's first call: the L2 premise first (it decides lockstep's fate; starts are scarce), on an
-# H200 then two suites to publish (its rows predate session 21); then the lockstep GPU test and splits, s41 (the
-# host-side checks of session 40) and train_suite
-expand s41first "s41_l2 s41_lockstep train s41 train_suite" \
-    "s41_l2 kda_suite kda_layer_suite s41_lockstep train s41 train_suite"
+# "s41first": session 41's first call (run in session 42; lockstep since removed): the L2 premise, on an H200 then
+# two suites to publish (its rows predate session 21); then s41 (the host-side checks of session 40) and train_suite
+expand s41first "s41_l2 train s41 train_suite" "s41_l2 kda_suite kda_layer_suite train s41 train_suite"
 # "s38": session 38's queue in one call (~260 s warm): the clock's GPU tests, then s38_raw and s38_clock
 # "s42": session 42's last call: on an H100 stage 2 under ncu; on an H200 first the premise there and both suites
 expand s42 "ncu_recur" "s41_l2 kda_suite kda_layer_suite ncu_recur"
@@ -581,17 +579,6 @@ tc-lb536-strong,tc-fp32-gate-plainbeta,tc-loggate-safe-varlen
             --cases tc-T1,tc-varlen-zero
         step s41_lightning 200 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rf tests/test_kernel_lightning_fwd.py
         ;;
-    s41_lockstep)  # session 41: stage 2 beside stage 1 (CULA_KDA_LOCKSTEP=1; a trap after ~8.6 s ends a wrong wait): the
-        # bitwise GPU test, then --split lockstep (its fixed rows) by stage 2's CTAs ("both" is what moves)
-        step s41_lockstep_test 200 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider -rf tests/test_kda_lockstep.py \
-            || continue
-        step s41_split_default 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split lockstep
-        for n in ${LOCKSTEP_SPLITS:-40 56}; do
-            step s41_split_lockstep$n 90 env CULA_KDA_LOCKSTEP=1 CULA_KDA_LOCKSTEP_CTAS=$n python3 -u -m \
-                cula.kernels.sm90.kda_fwd --check --split lockstep
-        done
-        [ -n "${LOCKSTEP_SHORT:-}" ] || step s41_split_default 90 python3 -u -m cula.kernels.sm90.kda_fwd --check \
-            --split lockstep ;;
     s41_l2)  # session 41: what a stage-2 chunk costs one CTA with its inputs in L2 (the premise of stage 2 running beside
         # stage 1 chunk by chunk, the hand-off never leaving L2): kda_fwd_profile --l2-premise, cold / warm
         step s41_l2 200 python3 -u -m cula.kernels.sm90.kda_fwd_profile --l2-premise ;;

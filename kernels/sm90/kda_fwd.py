@@ -87,18 +87,6 @@ W_IN_RECUR = __import__("os").environ.get("CULA_KDA_W_IN_RECUR", "1") == "1"
 #: 1.309 -> 1.009 ms, stage 2 1.051 -> 3.70 ms; kda_fwd.md). ``CULA_KDA_RAW_TILES=1`` turns it on.
 RAW_TILES = __import__("os").environ.get("CULA_KDA_RAW_TILES", "0") == "1"
 PACK_ABOVE_CHUNKS = 7  # = kda_fwd_recur.STATE_SMEM_MAX_CHUNKS (tests check it)
-#: Lockstep (session 41, opt-in; CPU-built, not yet run on a GPU): stage 2 is launched first, on a stream of its own,
-#: with LOCKSTEP_CTAS persistent CTAs, and stage 1 after it on the caller's stream, in an order that follows stage 2's
-#: (lockstep_order: a round of LOCKSTEP_CTAS / 2 (sequence, head) pairs at a time, chunk by chunk). Each stage-1 CTA
-#: sets its (head, chunk) flag once its scratch is visible; stage 2's TMA warp waits for the flag before that chunk's
-#: copies. So stage 2 reads each chunk's hand-off (~56 KB a chunk and head) shortly after it is written, from L2,
-#: instead of from DRAM after the whole stage 1: a premise measured by ``kda_fwd_profile --l2-premise`` (kda_fwd.md,
-#: "Stage 2 beside stage 1"). Fixed-length inputs with both stages and at least LOCKSTEP_MIN_STAGE1_CTAS stage-1
-#: CTAs only. ``CULA_KDA_LOCKSTEP=1`` turns it on, ``CULA_KDA_LOCKSTEP_CTAS`` sets stage 2's CTAs (even, at most
-#: half the SMs: stage 1 must keep SMs to run on, or stage 2's CTAs would wait for it forever).
-LOCKSTEP = __import__("os").environ.get("CULA_KDA_LOCKSTEP", "0") == "1"
-LOCKSTEP_CTAS = int(__import__("os").environ.get("CULA_KDA_LOCKSTEP_CTAS", "40"))
-LOCKSTEP_MIN_STAGE1_CTAS = 4096
 
 
 def use_pack(num_seqs: int, num_chunks: int) -> bool:
@@ -659,13 +647,7 @@ def kda_fwd(
     aqk_tp = torch.empty(HV, R, 2 * CHUNK if u_split and not pack else CHUNK, dtype=bf16, device=dev)
     aqk = aqk_tp[..., :CHUNK]
     kgt = torch.empty(HV, K, R, dtype=bf16, device=dev) if not raw else nrm
-    lockstep = (LOCKSTEP and x_split and not raw and cu_seqlens is None and tuple(stages) == ("intra", "recur")
-                and not return_scratch and not _stage1_clock() and NC * HV >= LOCKSTEP_MIN_STAGE1_CTAS
-                and _lockstep_order_ok(NC))
-    lock_ctas = lockstep_ctas(B * HV, sm_count(dev)) if lockstep else 0
-    if lockstep:  # γ's rows, then the flags (zeroed) and the launch order (KdaFwdIntraTC.lockstep_tail)
-        gam = _lockstep_buffer(B, NC // B, HV, recur.GAM_PITCH_PACK if pack else K, lock_ctas, dev)
-    elif kind == "tc" and "intra" in stages and _stage1_clock():
+    if kind == "tc" and "intra" in stages and _stage1_clock():
         gam = _clock_buffer(HV, NC, recur.GAM_PITCH_PACK if pack else K, chunks, dev)
     else:
         gam = torch.empty(HV, NC, recur.GAM_PITCH_PACK if pack else K, dtype=torch.float32, device=dev)
@@ -694,13 +676,9 @@ def kda_fwd(
     o_dt = _cute_dtype(v.dtype)
     variant, pf = recur.RECUR_VARIANT, recur.V2_H0_PREFETCH
 
-    def launch_recur(u_in, h_in, o_out, h_out, v_first: bool, pdl: bool, stream_handle: int, max_ctas: int = 0):
-        """``max_ctas`` > 0: lockstep (the flags' wait, that many CTAs). Returns the launcher; ``stream_handle`` None:
-        only that (nothing is launched)."""
+    def launch_recur(u_in, h_in, o_out, h_out, v_first: bool, pdl: bool, stream_handle: int) -> None:
         rflags = dict(has_initial_state=h_in is not None, output_final_state=h_out is not None,
                       state_v_first=v_first)
-        if max_ctas:  # only set, so the keys of the other calls stay as before
-            rflags.update(wait_flags=True)
         if u_split:  # only set, so the keys of the other calls stay as before (u_in is the input v)
             rflags.update(t_in=True)
             if pack:
@@ -730,14 +708,11 @@ def kda_fwd(
                              lambda: recur.KdaFwdRecur(**rflags, variant=variant, h0_prefetch=pf, pdl=pdl,
                                                        state_smem=ssm),
                              _recur_specs(o_dt))
-        if stream_handle is None:
-            return launcher
         launcher(
             w.data_ptr(), qg.data_ptr(), aqk.data_ptr(), kgt.data_ptr(), u_in.data_ptr(), gam.data_ptr(),
             chunks.data_ptr(), seqs.data_ptr(), o_out.data_ptr(), (h_in if h_in is not None else dummy).data_ptr(),
             (h_out if h_out is not None else dummy).data_ptr(), TT, HV, NC, N,
-            max_ctas or sm_count(dev), stream_handle)
-        return launcher
+            sm_count(dev), stream_handle)
 
     intra_launch = None
     if "intra" in stages and kind == "tc":
@@ -785,8 +760,6 @@ def kda_fwd(
                               f"CTAs an SM, not the default's {intra_tc.CTAS} (the three-CTA build takes only "
                               f"{', '.join(intra_tc.CTAS3_DIAGS)}): time it against CULA_KDA_TC_CTAS="
                               f"{intra_tc.CTAS_MODES[0]}", RuntimeWarning, stacklevel=2)
-        if lockstep:
-            tc_flags.update(lockstep=True)
         if intra_tc.DIAG:  # timing diagnostics: only set, so the keys stay as before
             if set(intra_tc.DIAG) - set(intra_tc.SAME_OUTPUT_DIAGS):
                 warnings.warn(f"CULA_KDA_TC_DIAG={','.join(intra_tc.DIAG)}: stage 1's outputs are wrong (timing "
@@ -804,10 +777,7 @@ def kda_fwd(
         )
         intra_launch = _launcher("intra", (tuple(sorted(flags.items())), dts), lambda: intra.KdaFwdIntra(**flags),
                                  _intra_specs(*dts))
-    if lockstep:
-        _launch_lockstep(intra_launch, intra_values, launch_recur, (vf, h0, o, ht, bool(state_v_first)), lock_ctas,
-                         dev)
-    elif intra_launch is not None:
+    if intra_launch is not None:
         intra_launch(*intra_values)
 
     identity = None
@@ -823,7 +793,7 @@ def kda_fwd(
             u_zero.zero_()
             launch_recur(u_zero, eye, o_id, m_id, False, False, side.cuda_stream)
         identity = (o_id, m_id, side)
-    if "recur" in stages and not lockstep:
+    if "recur" in stages:
         launch_recur(vf if u_split else u, h0, o, ht, bool(state_v_first),
                      recur.PDL and NC * HV <= recur.PDL_MAX_STAGE1_CTAS, stream)
     out = o.reshape(B, T, HV, V)
@@ -933,86 +903,6 @@ def _clock_buffer(HV: int, NC: int, pitch: int, chunks: torch.Tensor, dev: torch
 
 
 _SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
-_LOCKSTEP_STREAMS: dict[int, "torch.cuda.Stream"] = {}
-#: (stage-1 launcher, stage-2 launcher) pairs launched once one after the other (their modules are loaded); the
-#: launchers themselves, not their ids, which a discarded launcher would hand on
-_LOCKSTEP_LOADED: set[tuple] = set()
-_LOCKSTEP_ORDERS: dict[tuple, torch.Tensor] = {}
-
-
-def lockstep_ctas(pairs: int, sms: int) -> int:
-    """Stage 2's CTAs under LOCKSTEP: LOCKSTEP_CTAS made even, at most half the SMs and one per work item (two
-    V tiles a (sequence, head) pair), at least 2."""
-    want = min(LOCKSTEP_CTAS, sms // 2, 2 * pairs)
-    return max(2, want - want % 2)
-
-
-def _lockstep_order_ok(num_chunks: int) -> bool:
-    """Whether stage 1's lockstep grid ([HV, NC], as "head_rev") fits: NC <= the grid's y limit."""
-    from cula.kernels.sm90 import kda_fwd_intra_tc as intra_tc
-
-    return num_chunks <= intra_tc.MAX_GRID_Y and intra_tc.ORDER == intra_tc.ORDER_MODES[0]
-
-
-def lockstep_order(B: int, chunks_per_seq: int, HV: int, ctas: int, device) -> torch.Tensor:
-    """Stage 1's launch order under LOCKSTEP, int32 [B * NC * HV]: entry ``pos`` = chunk << 16 | head of the CTA
-    launched ``pos``-th (KdaFwdIntraTC.my_coords). Stage 2's CTA b walks the work items b, b + ctas, ... (V tile
-    fastest, then head, then sequence), so ``ctas`` items, ``ctas / 2`` (sequence, head) pairs, are walked at a time,
-    chunk by chunk: stage 1 goes round by round through those pairs, in each round chunk 0 of every pair, then chunk
-    1, .... Torch ops on ``device`` (no host sync), cached per shape."""
-    key = (B, chunks_per_seq, HV, ctas, str(device))
-    # not cached while a CUDA graph is captured: the tensor would come from the graph's private memory pool
-    capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if key not in _LOCKSTEP_ORDERS or capturing:
-        g = max(1, ctas // 2)  # pairs a round
-        pairs = B * HV
-        p = torch.arange(pairs, device=device)
-        rnd, w = p // g, p % g
-        size = torch.clamp(pairs - rnd * g, max=g)  # the last round may be short
-        j = torch.arange(chunks_per_seq, device=device)
-        pos = rnd[:, None] * g * chunks_per_seq + j[None, :] * size[:, None] + w[:, None]
-        code = ((p // HV) * chunks_per_seq)[:, None] + j[None, :]
-        code = (code << 16) | (p % HV)[:, None]
-        order = torch.empty(pairs * chunks_per_seq, dtype=torch.int32, device=device)
-        order[pos.reshape(-1)] = code.reshape(-1).to(torch.int32)
-        if capturing:
-            return order
-        _LOCKSTEP_ORDERS[key] = order
-    return _LOCKSTEP_ORDERS[key]
-
-
-def _lockstep_buffer(B: int, chunks_per_seq: int, HV: int, pitch: int, ctas: int, dev) -> torch.Tensor:
-    """γ's [HV, NC, pitch] fp32, followed by the lockstep flags (int32 [HV, NC], zeroed) and launch order."""
-    nc = B * chunks_per_seq
-    n = HV * nc * pitch
-    buf = torch.empty(n + 2 * HV * nc, dtype=torch.float32, device=dev)
-    tail = buf[n:].view(torch.int32)
-    tail[:HV * nc].zero_()
-    tail[HV * nc:].copy_(lockstep_order(B, chunks_per_seq, HV, ctas, dev))
-    return buf[:n].view(HV, nc, pitch)
-
-
-def _launch_lockstep(intra_launch, intra_values, launch_recur, recur_args, ctas: int, dev) -> None:
-    """Stage 2 first, on its own high-priority stream (its CTAs take their SMs before stage 1 fills the rest), then
-    stage 1 on the caller's stream, which then waits for stage 2. Except the first time a pair runs in the process:
-    a kernel's module loads at its first launch (CUDA's lazy loading) and that load waits for running kernels, so
-    stage 1 must not load while stage 2 waits for it; then stage 1 goes first and stage 2 follows it."""
-    u_in, h0, o, ht, v_first = recur_args
-    main = torch.cuda.current_stream(dev)
-    pair = (intra_launch, launch_recur(u_in, h0, o, ht, v_first, False, None, ctas))
-    if pair not in _LOCKSTEP_LOADED:
-        intra_launch(*intra_values)
-        launch_recur(u_in, h0, o, ht, v_first, False, main.cuda_stream, ctas)
-        _LOCKSTEP_LOADED.add(pair)
-        return
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    if index not in _LOCKSTEP_STREAMS:
-        _LOCKSTEP_STREAMS[index] = torch.cuda.Stream(device=index, priority=-1)
-    side = _LOCKSTEP_STREAMS[index]
-    side.wait_stream(main)  # the zeroed flags, the order, the inputs
-    launch_recur(u_in, h0, o, ht, v_first, False, side.cuda_stream, ctas)
-    intra_launch(*intra_values)
-    main.wait_stream(side)  # o and the final state before anything later on the caller's stream
 
 
 def _side_stream(dev: torch.device) -> "torch.cuda.Stream":

@@ -102,16 +102,6 @@ def _inputs(name, B, T, H, HV, cu, flags, dev, seed=0):
     return (q, k, v, g, beta), kw
 
 
-#: (B, T, H, HV, stage-2 CTAs) of tests/test_kda_lockstep.py's GPU test (kda_fwd.LOCKSTEP): packed and unpacked (3
-#: chunks a sequence), GVA, a short last round (4 pairs, 3 a round), and the default CTA count on 32 pairs
-LOCKSTEP_CASES = ((2, 1000, 4, 4, 4), (1, 4096, 8, 8, 6), (3, 129, 2, 4, 2), (2, 2048, 16, 16, 40))
-
-
-def lockstep_inputs(B: int, T: int, H: int, HV: int, dev) -> tuple:
-    """``(args, kw)`` of a LOCKSTEP_CASES row: the tensor-core flags, lower bound -5, initial and final state."""
-    return _inputs("lockstep", B, T, H, HV, None, dict(_TC, lower_bound=-5.0), dev=dev)
-
-
 def _rel(a, b):
     a, b = a.double(), b.double()
     if not torch.isfinite(a).all():
@@ -184,8 +174,6 @@ def bench(dev, shapes=((1, 8192, 64), (2, 16384, 64))):
 SPLIT_FIXED = ((1, 4096, 64), (2, 4096, 64), (1, 16384, 64))
 SPLIT_VARLEN = (("uniform", 20, 8192, 64), ("random", 20, 8192, 64), ("skewed", 20, 8192, 64))
 #: the three rows with the lowest ratio to FLA in suite run 20261203-152706, and the issue's B2 T16384 anchor
-#: the rows LOCKSTEP runs (fixed length, >= 4,096 stage-1 CTAs), longest first (device_round s41_lockstep)
-SPLIT_LOCKSTEP = ((2, 16384, 64), (1, 16384, 64), (1, 8192, 64))
 SPLIT_WORST = (("uniform", 20, 4096, 64), ("random", 20, 4096, 64), ("skewed", 20, 4096, 64), (2, 16384, 64))
 #: the suite's shortest fixed rows, where the launch gap and stage 2's start are a visible share
 SPLIT_SMALL = ((1, 512, 64), (2, 512, 64), (1, 1024, 64), (2, 1024, 64))
@@ -277,11 +265,11 @@ def main(argv: list[str]) -> int:
 
         kf.INTRA_TC = False
         print("stage 1: SIMT only", flush=True)
-    if "--split" in argv:  # --split [varlen | all | worst | small | pdl | l2 | items | lockstep] [--no-h0] [--no-ht]
+    if "--split" in argv:  # --split [varlen | all | worst | small | pdl | l2 | items] [--no-h0] [--no-ht]
         nxt = argv[argv.index("--split") + 1] if argv.index("--split") + 1 < len(argv) else ""
         sets = {"varlen": SPLIT_VARLEN, "all": SPLIT_FIXED + SPLIT_VARLEN, "worst": SPLIT_WORST,
                 "small": SPLIT_SMALL, "pdl": SPLIT_PDL, "l2": SPLIT_L2,
-                "items": SPLIT_ITEMS, "lockstep": SPLIT_LOCKSTEP}
+                "items": SPLIT_ITEMS}
         split(dev, sets.get(nxt, SPLIT_FIXED), initial="--no-h0" not in argv, final="--no-ht" not in argv)
         return 0
     cases = CASES[:3] if "--quick" in argv else CASES

@@ -54,7 +54,6 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cula.kernels.common.bf16_widen import WIDEN_MODES, widen_bf16
-from cula.kernels.common.gpu_flags import store_release
 from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
 from cula.kernels.common.sm_clock import clock32, smid
 from cula.kernels.common.wgmma_frag import a_operand_layout
@@ -288,7 +287,6 @@ class KdaFwdIntraTC:
         widen: str = WIDEN_MODES[0],
         kgt: str = KGT_MODES[0],
         raw_out: bool = False,
-        lockstep: bool = False,
     ):
         unknown = [d for d in diag if d not in DIAG_OPTIONS]
         if unknown:
@@ -345,13 +343,6 @@ class KdaFwdIntraTC:
         # no v loads, prefetches or tile and no u product or store: t_out, or the diagnostic that times it
         self.skip_vu = t_out or "no_v_u" in self.diag
         self.clock = "clock" in self.diag  # phase timestamps (CLOCK_STAMPS), the outputs unchanged
-        # stage 2 running at the same time (kda_fwd.LOCKSTEP): the CTAs take their (chunk, head) from a launch-order
-        # table and, once their scratch is visible, set that (head, chunk)'s flag; both live after γ's rows
-        # (lockstep_tail), where the clock keeps its stamps
-        if lockstep and (self.clock or order != ORDER_MODES[0]):
-            raise ValueError(f"lockstep: needs the default order and no clock, got order={order!r}, "
-                             f"diag={tuple(diag)}")
-        self.lockstep = lockstep
         self.inv_wgmma = inv_wgmma
         if gate_factors not in GATE_FACTOR_MODES:
             raise ValueError(f"gate_factors (CULA_KDA_TC_GATE_FACTORS): expected one of {GATE_FACTOR_MODES}, "
@@ -486,7 +477,7 @@ class KdaFwdIntraTC:
 
     def grid(self, NC, HV) -> list:
         """The launch grid of ``order``: one CTA per (chunk, value head); "head_rev" needs NC <= MAX_GRID_Y."""
-        return [HV, NC, 1] if self.order == "head_rev" else [NC, HV, 1]  # (lockstep: head_rev's grid)
+        return [HV, NC, 1] if self.order == "head_rev" else [NC, HV, 1]
 
     @cute.jit
     def launch_coords(self, pos, HV, NC):
@@ -499,41 +490,13 @@ class KdaFwdIntraTC:
             return pos - hv * NC, hv
 
     @cute.jit
-    def my_coords(self, HV, NC, pGam: cute.Pointer):
-        """(chunk, value head) of this CTA (read off the grid's two dimensions: a division here cost 19 registers;
-        ``lockstep``: the launch-order table's entry at this CTA's launch position, chunk << 16 | head)."""
+    def my_coords(self, HV, NC):
+        """(chunk, value head) of this CTA (read off the grid's two dimensions: a division here cost 19 registers)."""
         bx, by, _ = cute.arch.block_idx()
         chunk, hv = bx, by
-        if cutlass.const_expr(self.lockstep):
-            code = self.lockstep_tail(pGam, HV, NC)[HV * NC + by * HV + bx]
-            chunk, hv = (code >> 16) & 0xFFFF, code & 0xFFFF  # (the mask: chunks >= 2^15 make the code negative)
-        elif cutlass.const_expr(self.order != "chunk"):
+        if cutlass.const_expr(self.order != "chunk"):
             chunk, hv = NC - 1 - by, bx
         return chunk, hv
-
-    @cute.jit
-    def lockstep_tail(self, pGam: cute.Pointer, HV, NC) -> cute.Tensor:
-        """``lockstep``: int32 [2 HV NC] after γ's [HV, NC, pitch] floats: the flags ([HV, NC], zeroed by the host;
-        1 once the (head, chunk)'s scratch is visible), then the launch-order table (chunk << 16 | head by launch
-        position, kda_fwd.lockstep_order)."""
-        gp = GAM_PITCH_PACK if cutlass.const_expr(self.pack) else DK
-        return cute.make_tensor(cute.recast_ptr(pGam, dtype=cutlass.Int32) + HV * NC * gp,
-                                cute.make_layout(2 * HV * NC))
-
-    @cute.jit
-    def signal_done(self, pGam: cute.Pointer, HV, NC, chunk, hv):
-        """``lockstep``: this CTA's scratch is complete and visible at GPU scope -> its (head, chunk) flag = 1 (dummy
-        chunks too). Thread 0 issued every bulk store and waits for their writes, not only their reads; the CTA
-        barrier orders every thread's plain stores (qg, kgᵀ, −X rows, γ) before thread 0's release."""
-        tidx, _, _ = cute.arch.thread_idx()
-        if tidx == 0:
-            cute.arch.cp_async_bulk_wait_group(0)
-            cute.arch.fence_proxy(cute.arch.ProxyKind.async_global)
-        cute.arch.sync_threads()
-        if tidx == 0:
-            cute.arch.fence_acq_rel_gpu()
-            flags = self.lockstep_tail(pGam, HV, NC)
-            store_release(flags.iterator + hv * NC + chunk, 1)
 
     def g_by_tma(self, g_dtype) -> bool:
         """phase1 "tma_qkg" / "tma_g_first" bring a bf16 gate by TMA only: an fp32 one keeps the per-thread loads."""
@@ -624,7 +587,7 @@ class KdaFwdIntraTC:
         if cutlass.const_expr(self.pdl_trigger == "start"):
             cute.arch.griddepcontrol_launch_dependents()
         # The sync-free varlen tables end in dummy chunks (nvalid = 0) that nobody reads: leave at once.
-        chunk, hv = self.my_coords(HV, NC, pGam)
+        chunk, _ = self.my_coords(HV, NC)
         chunks = cute.make_tensor(pChunks, cute.make_layout((chunk + 1, 2), stride=(2, 1)))
         if chunks[chunk, 1] > 0:
             self.chunk_body(
@@ -634,8 +597,6 @@ class KdaFwdIntraTC:
                 a_layout, kt_layout, kb1_layout, kb2_layout, kb3_layout, x_layout, tb_layout, w_layout, aqk_layout, H,
                 HV, NC, scale, lower_bound, pXd,
             )
-        if cutlass.const_expr(self.lockstep):
-            self.signal_done(pGam, HV, NC, chunk, hv)
         if cutlass.const_expr(self.pdl_trigger == "end"):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -849,7 +810,7 @@ class KdaFwdIntraTC:
             ts = cute.make_rmem_tensor(cute.make_layout(CLOCK_SLOTS), cutlass.Int32)
             ts.fill(0)
         self.stamp(ts, "entry", tidx)
-        chunk, hv = self.my_coords(HV, NC, pGam)
+        chunk, hv = self.my_coords(HV, NC)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
         grp = tidx // 16  # row group: rows rpt grp .. + rpt - 1 (block grp // 2 = warp)
@@ -1914,11 +1875,6 @@ def compile_targets():
         "t_out_block32_x_ctas3": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, x_out=True, ctas=3),
         "t_out_block32_pack_x_ctas3": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
                                             x_out=True, ctas=3),
-        # lockstep (kda_fwd.LOCKSTEP): (chunk, head) from the launch-order table, a flag set once the scratch is visible
-        "t_out_block32_pack_x_ctas3_lockstep": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,
-                                                     x_out=True, ctas=3, lockstep=True),
-        "t_out_block32_x_ctas3_lockstep": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, x_out=True,
-                                                ctas=3, lockstep=True),
         # the three-CTA default widening bf16 inputs by cvt.f32.bf16 (WIDEN "cvt"), and also forming kgᵀ as K̂ 2^(Γ_last
         # − E) (KGT "kh"): both before session 37
         "t_out_block32_pack_x_ctas3_cvt": build(cutlass.BFloat16, **full, t_out=True, factor_block=32, pack=True,

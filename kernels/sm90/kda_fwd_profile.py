@@ -95,57 +95,6 @@ def l2_premise(rows=PREMISE_ROWS, reps: int = 20) -> list[dict]:
     return out
 
 
-#: A stage-1 CTA's life at three CTAs per SM on the H100 (B2 T16384: 1.309 ms for 32,768 CTAs in 396 slots, session
-#: 40) and the hand-off bytes of one (chunk, head): qg, kgᵀ, −X (48 KB), the packed [Aqk | T'] (8 KB), γ's row
-STAGE1_LIFE_US = 15.8
-HANDOFF_BYTES = 3 * 64 * 128 * 2 + 64 * 64 * 2 + 160 * 4
-
-
-def lockstep_model(B: int, T: int, HV: int, ctas: int, t2_us: float, life_us: float = STAGE1_LIFE_US,
-                   sms: int = 132, per_sm: int = 3) -> dict:
-    """Event model of LOCKSTEP (kda_fwd.lockstep_order) on the CPU: stage 1's CTAs start in launch order on the
-    (sms - ctas) * per_sm slots left by stage 2, each living ``life_us``; stage 2's CTA b walks its items b, b + ctas,
-    ... chunk by chunk, a step taking ``t2_us`` once the chunk's flag is set. Returns the end (us), stage 1's end,
-    stage 2's waiting share and the most hand-off bytes alive (written, not yet read by both V tiles): what must
-    stay in L2 for stage 2 to read it there."""
-    import heapq
-
-    from cula.kernels.sm90.kda_fwd import lockstep_order
-
-    ncs = -(-T // 64)
-    order = lockstep_order(B, ncs, HV, ctas, "cpu").tolist()
-    slots = [0.0] * ((sms - ctas) * per_sm)
-    done = {}
-    for code in order:  # the earliest free slot takes the next CTA
-        start = heapq.heappop(slots)
-        done[((code >> 16) & 0xFFFF, code & 0xFFFF)] = start + life_us
-        heapq.heappush(slots, start + life_us)
-    items = 2 * B * HV
-    read = {}
-    wait = end = 0.0
-    for b in range(min(ctas, items)):
-        t = 0.0
-        for item in range(b, items, ctas):
-            pair = item // 2
-            hv, seq = pair % HV, pair // HV
-            for j in range(ncs):
-                ready = done[(seq * ncs + j, hv)]
-                wait += max(0.0, ready - t)
-                t = max(t, ready) + t2_us
-                key = (seq * ncs + j, hv)
-                read[key] = max(read.get(key, 0.0), t)
-        end = max(end, t)
-    events = sorted([(w, 1) for w in done.values()] + [(r, -1) for r in read.values()])
-    live = peak = 0
-    for _, d in events:
-        live += d
-        peak = max(peak, live)
-    stage1_end = max(done.values())
-    return dict(B=B, T=T, HV=HV, ctas=ctas, t2_us=t2_us, end_ms=max(end, stage1_end) / 1e3,
-                stage1_end_ms=stage1_end / 1e3, stage2_wait=wait / (min(ctas, items) * max(end, 1e-9)),
-                peak_mb=peak * HANDOFF_BYTES / 2**20)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--B", type=int, default=1)
@@ -155,16 +104,9 @@ def main() -> None:
     ap.add_argument("--dist", default=None, help="varlen: uniform, random or skewed lengths")
     ap.add_argument("--n", type=int, default=20, help="varlen: number of sequences")
     ap.add_argument("--l2-premise", action="store_true", help="time stage 2 on few CTAs, inputs in L2 or not")
-    ap.add_argument("--lockstep-model", action="store_true", help="CPU: LOCKSTEP's event model by CTAs and t2")
     a = ap.parse_args()
     if a.l2_premise:
         l2_premise()
-        return
-    if a.lockstep_model:
-        for t2 in (0.7, 1.0, 1.5, 2.1):
-            for ctas in (24, 32, 40, 48, 56, 66):
-                r = lockstep_model(a.B, a.T, a.H, ctas, t2)
-                print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
         return
     from cula.kernels.sm90.kda_fwd import kda_fwd
 

@@ -33,7 +33,6 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
-from cula.kernels.common.gpu_flags import load_acquire, nanosleep, trap
 from cula.kernels.common.l2_prefetch import LINE_BYTES, prefetch_line_l2
 from cula.kernels.common.wgmma_frag import a_operand_layout
 from cula.kernels.sm90.kda_fwd_raw_tiles import GATES as RAW_GATES
@@ -162,10 +161,6 @@ PDL_MAX_STAGE1_CTAS = int(__import__("os").environ.get("CULA_KDA_PDL_MAX_CTAS", 
 #: (B2 T16384 2.869 / 2.877 ms against 2.721 with PDL off), so the loss is not a per-signal cost but
 #: stage 2 being resident during stage 1's last wave; "end" and "none" matched PDL off (2.720 / 2.722).
 PDL_TRIGGER = __import__("os").environ.get("CULA_KDA_PDL_TRIGGER", "start")
-FLAG_POLL_NS = 64  # lockstep: the TMA warp's back-off between two looks at a chunk's flag
-#: ...and how many looks before it gives up (trap: the launch fails) rather than hang: 2^27 x >= 64 ns is >= 8.6 s,
-#: far beyond any stage 1 (1M tokens x 64 heads is ~65 ms)
-FLAG_POLL_LIMIT = 1 << 27
 SMEM_PER_BLOCK = 232448  # H100/H200: the most dynamic shared memory one CTA may have (227 KB)
 
 
@@ -191,7 +186,7 @@ class KdaFwdRecur:
     def __init__(self, has_initial_state: bool, output_final_state: bool, state_v_first: bool,
                  variant: str | None = None, h0_prefetch: bool | None = None, pdl: bool | None = None,
                  state_smem: bool = False, t_in: bool = False, diag: tuple = (), pack: bool = False,
-                 x_in: bool = False, raw_in: bool = False, gate: str = "sigmoid", wait_flags: bool = False):
+                 x_in: bool = False, raw_in: bool = False, gate: str = "sigmoid"):
         unknown = [d for d in diag if d not in RECUR_DIAG_OPTIONS]
         if unknown:
             raise ValueError(f"diag (CULA_KDA_RECUR_DIAG): expected names from {RECUR_DIAG_OPTIONS}, got {unknown}")
@@ -199,14 +194,7 @@ class KdaFwdRecur:
             raise ValueError("diag half_at (CULA_KDA_RECUR_DIAG): needs t_in (the [Aqk | T'] rows), got t_in=False")
         self.diag = tuple(diag)
         self.has_h0 = has_initial_state
-        # lockstep (kda_fwd.LOCKSTEP): launched before stage 1 on its own stream, on a few SMs; before a chunk's copies
-        # the TMA warp waits for its (head, chunk) flag, which stage 1's CTA sets once that scratch is visible (the
-        # int32 [HV, NC] flags after γ's rows: KdaFwdIntraTC.lockstep_tail)
-        if wait_flags and ((RECUR_VARIANT if variant is None else variant) != "v2" or raw_in):
-            raise ValueError(f"wait_flags (lockstep): needs variant 'v2' without raw_in, got variant={variant!r}, "
-                             f"raw_in={raw_in}")
-        self.wait_flags = wait_flags
-        self.pdl = (PDL if pdl is None else pdl) and not wait_flags
+        self.pdl = PDL if pdl is None else pdl
         self.h0_prefetch = V2_H0_PREFETCH if h0_prefetch is None else h0_prefetch
         self.store_ht = output_final_state
         self.v_first = state_v_first
@@ -656,10 +644,6 @@ class KdaFwdRecur:
             mKGT = cute.make_tensor(pKGT, cute.make_layout((DK, R, HV), stride=(R, 1, DK * R)))
         gp = self.gam_pitch
         mGam = cute.make_tensor(pGam, cute.make_layout((gp, NC, HV), stride=(1, gp, NC * gp)))
-        mFlags = None  # wait_flags: stage 1's [HV, NC] flags after γ's rows
-        if cutlass.const_expr(self.wait_flags):
-            mFlags = cute.make_tensor(cute.recast_ptr(pGam, dtype=cutlass.Int32) + HV * NC * gp,
-                                      cute.make_layout((NC, HV), stride=(1, NC)))
         self._setup_v2()
         tma_tp = tTp = None
         if cutlass.const_expr(self.pack):
@@ -721,23 +705,9 @@ class KdaFwdRecur:
             tma_w, tW, tma_qg, tQG, tma_aqk, tAqk, tma_kgt, tKGT, tma_u, tU, tma_gam, tGam,
             mChunks, mSeq, mO, mH0, mHT, self.mma_rs_n64, self.mma_rs_n128,
             self.w2_layout, self.t64_layout, self.kgt2_layout, self.gam_layout, self.aqk2_layout, self.va_layout,
-            tma_tp, tTp, self.tp_layout, mNrm, mAlog, mDtb, lower_bound, group, mFlags,
+            tma_tp, tTp, self.tp_layout, mNrm, mAlog, mDtb, lower_bound, group,
         ).launch(grid=[cutlass.min((DV // BV) * HV * N, max_ctas), 1, 1], block=[self.threads_v2, 1, 1],
                  smem=SharedStorageV2.size_in_bytes(), stream=stream, use_pdl=self.pdl)
-
-    @cute.jit
-    def wait_chunk(self, mFlags: cute.Tensor, c, hv):
-        """lockstep: the TMA warp waits until stage 1 has set chunk ``c``'s flag of head ``hv`` (its scratch written
-        and visible), then fences the generic proxy's acquire before its TMA (async proxy) reads of that scratch.
-        Traps after FLAG_POLL_LIMIT looks: wrong flags fail the launch instead of hanging the device."""
-        polls = cutlass.Int32(0)
-        while load_acquire(mFlags.iterator + hv * mFlags.shape[0] + c) == 0:
-            nanosleep(FLAG_POLL_NS)
-            polls += 1
-            if polls > FLAG_POLL_LIMIT:
-                trap()
-        cute.arch.sync_warp()
-        cute.arch.fence_proxy(cute.arch.ProxyKind.async_global)
 
     def storage_class_v2(self, o_dtype):
         """v2's shared memory: the stages' tiles, γ, the o staging and the state buffer (a plain method: the jit's
@@ -802,7 +772,6 @@ class KdaFwdRecur:
         mDtb,  # [HV, 128] fp32: dt_bias (zeros when absent)
         lower_bound,  # fp32 (the gate's bound, or the softplus gate's floor)
         group,  # Int32: value heads per q/k head
-        mFlags,  # wait_flags: int32 (chunk, head) flags set by stage 1 (None otherwise)
     ):
         f32, bf16 = cutlass.Float32, cutlass.BFloat16
         tidx, _, _ = cute.arch.thread_idx()
@@ -912,8 +881,6 @@ class KdaFwdRecur:
                     pipe.producer_acquire(prod)
                     bar = pipe.producer_get_barrier(prod)
                     st = prod.index
-                    if cutlass.const_expr(self.wait_flags):
-                        self.wait_chunk(mFlags, c, hv)
                     if cutlass.const_expr(self.raw_in):
                         # k, q (head h) and g (head hv) of the chunk's 64 tokens from its first one (rows past the
                         # sequence's end: the next one's tokens, or zeros past the tensor; the transform zeroes them)
@@ -1502,9 +1469,6 @@ def compile_targets():
     # w in stage 2 (kda_fwd.W_IN_RECUR): v_new = T'(v - X S), packed and unpacked, with the state buffer too
     targets["v2_t_in_pack_x"] = build(**full, variant="v2", t_in=True, pack=True, x_in=True)
     targets["v2_t_in_x"] = build(**full, variant="v2", t_in=True, x_in=True)
-    # lockstep (kda_fwd.LOCKSTEP): each chunk's copies wait for stage 1's flag
-    targets["v2_t_in_pack_x_wait"] = build(**full, variant="v2", t_in=True, pack=True, x_in=True, wait_flags=True)
-    targets["v2_t_in_x_wait"] = build(**full, variant="v2", t_in=True, x_in=True, wait_flags=True)
     targets["v2_t_in_x_state_smem"] = build(**full, variant="v2", state_smem=True, t_in=True, x_in=True)
 
     # raw tiles (kda_fwd_raw_tiles): packed and unpacked, each gate form on the packed default
