@@ -34,9 +34,9 @@ expand first "aot_gpu" "kda_suite train_suite kda_layer_suite sanitize aot_gpu"
 # "s41first": session 41's first call (run in session 42; lockstep since removed): the L2 premise, on an H200 then
 # two suites to publish (its rows predate session 21); then s41 (the host-side checks of session 40) and train_suite
 expand s41first "s41_l2 train s41 train_suite" "s41_l2 kda_suite kda_layer_suite train s41 train_suite"
-# "s38": session 38's queue in one call (~260 s warm): the clock's GPU tests, then s38_raw and s38_clock
 # "s42": session 42's last call: on an H100 stage 2 under ncu; on an H200 first the premise there and both suites
 expand s42 "ncu_recur" "s41_l2 kda_suite kda_layer_suite ncu_recur"
+# "s38": session 38's queue in one call (~260 s warm): the clock's GPU tests, then s38_raw and s38_clock
 expand s38 "s38_clock_test s38_raw s38_clock"
 start=$SECONDS
 step() {  # step NAME TIMEOUT CMD...
@@ -151,6 +151,12 @@ for s in $steps; do
         ncu -i "$OUT/intra_tc.ncu-rep" --page source --csv --print-source ptx > "$OUT/ncu_ptx.csv" 2>&1
         grep -iE "warp cycles|eligible|issued|throughput|registers|occupancy" "$OUT/ncu_details.txt" | head -30
         python3 -m cula.kernels.common.ncu_phases "$OUT/ncu_sass.csv" --warps $((4096 * 4)) ;;
+    s42_mask)  # session 42: the packed tile masked in two passes (off-diagonal pieces, then row r's diagonal piece by
+        # thread r): packed bitwise the unpacked path and the w-in-stage-2 references (GPU tests), then the splits
+        step s42_mask_tests 200 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "pack_equals_unpacked or w_in_recur" || continue
+        step s42_split_worst 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
+        step s42_split_all 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split all ;;
     ncu_recur)  # session 42: stage 2 (v2) at B2 T16384 under ncu (one launch, full set): is its ~2 us chunk step its chain
         # (one math warpgroup: tensor pipe mostly idle, warps waiting on wgmma / barriers) or memory?
         step ncu_recur 240 ncu --clock-control none -k regex:recur --launch-count 1 --set full \

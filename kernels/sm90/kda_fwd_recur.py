@@ -1293,15 +1293,17 @@ class KdaFwdRecur:
     def mask_packed(self, aqk_raw: cute.Pointer, tp_raw: cute.Pointer, gam_bf16: cute.Pointer, st, tidx):
         """pack, by the math threads: mask stage ``st``'s two copies of the packed tile P (P[r, c] is Aqk[r, c] for
         c <= r and T'[c, r] for c > r; ``aqk_raw``, ``tp_raw``: the tiles' unswizzled starts): the Aqk copy keeps
-        c <= r, the T' copy c > r plus T''s diagonal, bf16(β_r), from γ's row. A thread takes four of the 512
-        16-byte pieces (8 threads a 128-byte row: conflict-free); a piece wholly on one side is zeroed in the other
-        copy without a read, the diagonal's is masked as 32-bit words of scalar code (a register array written
-        under run-time conditions went to local memory). Then a fence for the async proxy and a barrier of the
-        math threads: the next products read the tiles."""
+        c <= r, the T' copy c > r plus T''s diagonal, bf16(β_r), from γ's row. Two passes over the 512 16-byte
+        pieces (8 a 128-byte row). First every thread takes four pieces (8 threads a row: conflict-free) and zeroes
+        one wholly on one side in the other copy, without a read. Then the 64 diagonal pieces, row r's by thread r
+        (warps 0-1; warps 2-3 skip it whole): one 16-byte read, two 16-byte writes of 32-bit words masked by
+        r % 8 (constant indices keep the words in registers). Until session 42 each of a warp's four diagonal lanes
+        masked its piece word by word while the other 28 lanes waited: ~380 of a math warp's ~900 instructions a
+        chunk, in a stage 2 bound by its issue (ncu, H100, one warp a scheduler). Then a fence for the async proxy
+        and a barrier of the math threads: the next products read the tiles."""
         i32 = cutlass.Int32
         zero = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
         zero.fill(0.0)
-        gam32 = cute.recast_ptr(gam_bf16, dtype=i32)
         for m in cutlass.range_constexpr(CHUNK * 8 // V2_MATH_THREADS):
             q = tidx + V2_MATH_THREADS * m
             r = q // 8
@@ -1312,19 +1314,27 @@ class KdaFwdRecur:
                 cute.make_tensor(tp_raw + cute.assume(off, divby=8), cute.make_layout(8)).store(zero.load())
             elif 8 * p > r:  # above it: T''s, so not Aqk's
                 cute.make_tensor(aqk_raw + cute.assume(off, divby=8), cute.make_layout(8)).store(zero.load())
-            else:
-                # β_r is half (r % 2) of the word r // 2 after γ (little-endian pairs)
-                tail = cute.make_tensor(gam32 + (st * GAM_PITCH_PACK + DK + r // 2), cute.make_layout(1))[0]
-                half = i32(0xFFFF) - (r % 2) * i32(0x1FFFF)  # 0x0000FFFF or 0xFFFF0000
-                a32 = cute.recast_ptr(aqk_raw, dtype=i32) + (off // 2)
-                t32 = cute.recast_ptr(tp_raw, dtype=i32) + (off // 2)
-                for w in cutlass.range_constexpr(4):
-                    col = 8 * p + 2 * w  # the word's two columns: col (low half), col + 1 (high half)
-                    keep_a = i32(col <= r) * i32(0xFFFF) + i32(col + 1 <= r) * i32(-0x10000)
-                    wa = cute.make_tensor(a32 + w, cute.make_layout(1))
-                    wt = cute.make_tensor(t32 + w, cute.make_layout(1))
-                    wa[0] = wa[0] & keep_a
-                    wt[0] = (wt[0] & ~keep_a) | (tail & half) * i32(col == r - r % 2)  # T': c > r, and β_r
+        if tidx < CHUNK:
+            r = tidx
+            d = r % 8  # the diagonal's column within row r's piece r // 8
+            off2 = (st * (CHUNK * CHUNK) + r * CHUNK + ((r // 8) ^ d) * 8) // 2  # in 32-bit words
+            words = cute.make_rmem_tensor(cute.make_layout(4), i32)
+            words.store(cute.make_tensor(cute.recast_ptr(aqk_raw, dtype=i32) + cute.assume(off2, divby=4),
+                                         cute.make_layout(4)).load())
+            # β_r is half (r % 2) of the word r // 2 after γ (little-endian pairs)
+            tail = cute.make_tensor(cute.recast_ptr(gam_bf16, dtype=i32) + (st * GAM_PITCH_PACK + DK + r // 2),
+                                    cute.make_layout(1))[0]
+            beta = tail & (i32(0xFFFF) - (d % 2) * i32(0x1FFFF))  # 0x0000FFFF or 0xFFFF0000
+            t_words = cute.make_rmem_tensor(cute.make_layout(4), i32)
+            for w in cutlass.range_constexpr(4):
+                # the word's two columns 2w, 2w + 1 of the piece: Aqk's where they are <= d
+                keep_a = i32(2 * w <= d) * i32(0xFFFF) + i32(2 * w + 1 <= d) * i32(-0x10000)
+                t_words[w] = (words[w] & ~keep_a) | beta * i32(2 * w == d - d % 2)  # T': c > r, and β_r
+                words[w] = words[w] & keep_a
+            cute.make_tensor(cute.recast_ptr(aqk_raw, dtype=i32) + cute.assume(off2, divby=4),
+                             cute.make_layout(4)).store(words.load())
+            cute.make_tensor(cute.recast_ptr(tp_raw, dtype=i32) + cute.assume(off2, divby=4),
+                             cute.make_layout(4)).store(t_words.load())
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
         cute.arch.barrier(barrier_id=PACK_BARRIER, number_of_threads=V2_MATH_THREADS)
 
