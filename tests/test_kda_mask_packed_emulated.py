@@ -1,10 +1,11 @@
-"""Stage 2's ``mask_packed`` (kda_fwd_recur, pack=True), its own source run on the CPU over shared memory as bytes.
+"""Stage 2's packed-tile masks (kda_fwd_recur, pack=True: ``mask_packed_words``, the default, and
+``mask_packed_rows``, CULA_KDA_PACK_MASK=rows), their own source run on the CPU over shared memory as bytes.
 
 The packed [Aqk | T'] tile P is loaded twice; the 128 math threads must leave the Aqk copy with P on and below the
 diagonal and zeros above, and the T' copy with P above the diagonal, bf16(β_r) (from the tail of γ's row) on it and
-zeros below. The function reinterprets bf16 pairs as 32-bit words (``cute.recast_ptr``), which the value-level
-emulator (``_dsl_emulator``) does not model, so this test gives it a byte-level shared memory: each CUDA thread runs
-in turn (the function has no barrier before its last one), and every byte records which thread wrote it, so a byte
+zeros below. Both functions reinterpret bf16 pairs as 32-bit words (``cute.recast_ptr``), which the value-level
+emulator (``_dsl_emulator``) does not model, so this test gives them a byte-level shared memory: each CUDA thread
+runs in turn (neither has a barrier before its last one), and every byte records which thread wrote it, so a byte
 written by two threads, or read by one after another wrote it, fails the test as the race it would be on a GPU.
 """
 
@@ -128,9 +129,9 @@ def _offset(st: int, r: int, c: int) -> int:
     return st * TILE + r * CHUNK + ((c // 8) ^ (r % 8)) * 8 + c % 8
 
 
-def _run(seed: int, mask=None):
+def _run(seed: int, mask):
     """Both stages' copies filled with random packed tiles P, γ rows with β's bf16 in the tail, then every math
-    thread's ``mask_packed`` for each stage; returns P, β and the two copies in (stage, r, c) order."""
+    thread's ``mask`` for each stage; returns P, β and the two copies in (stage, r, c) order."""
     rng = np.random.default_rng(seed)
     p = rng.integers(1, 1 << 16, size=(STAGES, CHUNK, CHUNK), dtype=np.uint16)  # never 0: a zero must be a mask
     beta = rng.integers(1, 1 << 16, size=(STAGES, CHUNK), dtype=np.uint16)
@@ -148,7 +149,7 @@ def _run(seed: int, mask=None):
     gam[:, 2 * recur.DK:2 * recur.DK + CHUNK] = beta
     mem.bytes[gam0:] = gam.reshape(-1).view(np.uint8)
     barriers: list = []
-    fn = emu.rebind(mask or recur.KdaFwdRecur.mask_packed, _namespace(barriers))
+    fn = emu.rebind(mask, _namespace(barriers))
     kern = types.SimpleNamespace()
     for st in range(STAGES):
         for tid in range(THREADS):
@@ -162,8 +163,9 @@ def _run(seed: int, mask=None):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_mask_packed_leaves_aqk_and_t_prime(seed):
-    p, beta, aqk, tp = _run(seed)
+@pytest.mark.parametrize("name", ["mask_packed_words", "mask_packed_rows"])
+def test_mask_packed_leaves_aqk_and_t_prime(name, seed):
+    p, beta, aqk, tp = _run(seed, getattr(recur.KdaFwdRecur, name))
     r = np.arange(CHUNK)[:, None]
     c = np.arange(CHUNK)[None, :]
     for st in range(STAGES):
@@ -173,23 +175,49 @@ def test_mask_packed_leaves_aqk_and_t_prime(seed):
 
 
 def test_a_planted_bug_fails():
-    """The check can fail: mask_packed's source with Aqk's diagonal dropped from its copy (2w < d for 2w <= d)."""
+    """The check can fail: mask_packed_rows' source with Aqk's diagonal dropped from its copy (2w < d for 2w <= d)."""
     import ast
     import inspect
     import textwrap
 
-    src = recur.KdaFwdRecur.mask_packed.__wrapped__
+    src = recur.KdaFwdRecur.mask_packed_rows.__wrapped__
     tree = ast.parse(textwrap.dedent(inspect.getsource(src)))
     planted = 0
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare) and ast.unparse(node) == "2 * w <= d":
             node.ops = [ast.Lt()]
             planted += 1
-    assert planted == 1, "the planted condition is no longer in mask_packed's source"
+    assert planted == 1, "the planted condition is no longer in mask_packed_rows' source"
     tree.body[0].decorator_list = []
     glb = dict(src.__globals__)
     exec(compile(ast.fix_missing_locations(tree), "<planted mask_packed>", "exec"), glb)
-    p, beta, aqk, tp = _run(0, mask=glb["mask_packed"])
+    p, beta, aqk, tp = _run(0, glb["mask_packed_rows"])
     r = np.arange(CHUNK)[:, None]
     c = np.arange(CHUNK)[None, :]
     assert not np.array_equal(aqk[0], np.where(c <= r, p[0], 0))
+
+
+def test_pack_mask_is_validated_and_opt_in():
+    """CULA_KDA_PACK_MASK names one of PACK_MASKS; the default stays the GPU-tested "words"."""
+    assert recur.PACK_MASKS[0] == "words"
+    with pytest.raises(ValueError, match="CULA_KDA_PACK_MASK"):
+        recur.KdaFwdRecur(True, True, False, variant="v2", t_in=True, pack=True, pack_mask="bogus")
+    assert recur.KdaFwdRecur(True, True, False, variant="v2", t_in=True, pack=True, pack_mask="rows").pack_mask == "rows"
+
+
+def test_ptx_rows_mask():
+    """The two-pass mask: no spills, no local memory, no more registers than the default and the same wgmma; the
+    diagonal piece is one 16-byte read (of the word-typed ``ld.shared.v4.u32`` the mask alone uses) and two 16-byte
+    writes, where the word mask's four unrolled diagonal pieces a thread take 8 of each (and 4 scalar reads of β)."""
+    from cula.kernels.common.ptx_check import ptx_reports
+
+    names = ["recur_v2_t_in_pack_x", "recur_v2_t_in_pack_x_rows"]
+    r = ptx_reports("cula.kernels.sm90.kda_fwd", names)
+    words, rows = (r[n] for n in names)
+    for rep in (words, rows):
+        assert rep.spill_bytes == 0 and ".local" not in rep.ptx
+    assert rows.max_registers <= words.max_registers
+    assert rows.count("wgmma.mma_async") == words.count("wgmma.mma_async")
+    assert (words.count("ld.shared.v4.u32"), words.count("st.shared.v4.u32"), words.count("ld.shared.u32")) == (8, 8, 4)
+    assert (rows.count("ld.shared.v4.u32"), rows.count("st.shared.v4.u32"), rows.count("ld.shared.u32")) == (1, 2, 1)
+    assert len(rows.ptx.splitlines()) < len(words.ptx.splitlines())

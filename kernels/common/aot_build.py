@@ -89,6 +89,11 @@ SCENARIOS = {
     # device_round pack: the packed [Aqk | T'] tile (kda_fwd.PACK) in the check cases, the GPU test's and the splits
     "pack_checks": ("tc", {"PACK": "1"}),
     "pack_split": ("split", {"PACK": "1"}),
+    # device_round s42_mask: the packed tile masked in two passes (CULA_KDA_PACK_MASK=rows) in the GPU tests' check
+    # cases and the split rows
+    "rows_checks": ("tc", {"recur.PACK_MASK": "rows"}),
+    "rows_pack_checks": ("tc", {"recur.PACK_MASK": "rows", "PACK": "1"}),
+    "rows_split": ("split", {"recur.PACK_MASK": "rows"}),
     "unpacked_split": ("split", {"PACK": "0"}),
     # device_round pack_premise: stage 1 without T''s store, stage 2 reading ~8 KB of [Aqk | T'] a chunk instead of
     # 16 (timing only: what packing the two into one 64 x 64 tile would save at most)
@@ -336,7 +341,7 @@ CORE_SCENARIOS = ("default", "u_in_recur", "split", "split_u", "suites", "checks
                   "ctas2_split", "suites_ctas2", "unpacked_checks", "ctas2_unpacked_checks", "diag_no_qkx",
                   "widen_cvt_checks", "kgt_kh_checks", "s36_split",
                   "gate_square_checks", "gate_square_split", "diag_clock",
-                  "diag_no_stores", "raw_split", "raw_suites")
+                  "diag_no_stores", "raw_split", "raw_suites", "rows_checks", "rows_pack_checks", "rows_split")
 
 
 def main(argv: list[str]) -> int:

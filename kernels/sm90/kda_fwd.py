@@ -683,6 +683,8 @@ def kda_fwd(
             rflags.update(t_in=True)
             if pack:
                 rflags.update(pack=True)
+                if recur.PACK_MASK != "words":  # opt-in (CULA_KDA_PACK_MASK): the default's key stays as before
+                    rflags.update(pack_mask=recur.PACK_MASK)
             if x_split:
                 rflags.update(x_in=True)
             if recur.RECUR_DIAG:  # timing diagnostics: o is wrong

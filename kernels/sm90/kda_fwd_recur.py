@@ -118,6 +118,12 @@ STATE_PIECES = BV * DK // 4 // V2_MATH_THREADS  # 16-byte pieces of a state tile
 STATE_BARRIER = 1  # named barrier of the 128 math threads (0 is the CTA's)
 V_ZERO_BARRIER = 2  # t_in: the math threads' zeroing of a partial chunk's v rows is done
 PACK_BARRIER = 3  # pack: the math threads' masking of a stage's two copies of the packed tile is done
+#: How the math threads mask the packed tile's two copies: "words" (mask_packed_words, sessions 29-41: each warp's
+#: diagonal lanes word by word while the others wait; GPU-tested) or "rows" (mask_packed_rows, session 42: two passes,
+#: ~380 -> ~115 instructions a math warp a chunk; checked on the CPU, from its source, by
+#: tests/test_kda_mask_packed_emulated.py, and not yet run on a GPU, hence opt-in). ``CULA_KDA_PACK_MASK``.
+PACK_MASKS = ("words", "rows")
+PACK_MASK = __import__("os").environ.get("CULA_KDA_PACK_MASK", "words")
 # raw_in: warpgroup 1 (warps 4-7) forms qg, -X and kg in shared memory from q, k and g (kda_fwd_raw_tiles); the TMA
 # warp is warp 8, its warpgroup's other three idle. Hopper allocates registers by warpgroup, so 9 warps would launch
 # at 168 a thread (384 threads' worth) with the math spilling: setmaxnreg gives the math warpgroup what the default
@@ -186,7 +192,7 @@ class KdaFwdRecur:
     def __init__(self, has_initial_state: bool, output_final_state: bool, state_v_first: bool,
                  variant: str | None = None, h0_prefetch: bool | None = None, pdl: bool | None = None,
                  state_smem: bool = False, t_in: bool = False, diag: tuple = (), pack: bool = False,
-                 x_in: bool = False, raw_in: bool = False, gate: str = "sigmoid"):
+                 x_in: bool = False, raw_in: bool = False, gate: str = "sigmoid", pack_mask: str | None = None):
         unknown = [d for d in diag if d not in RECUR_DIAG_OPTIONS]
         if unknown:
             raise ValueError(f"diag (CULA_KDA_RECUR_DIAG): expected names from {RECUR_DIAG_OPTIONS}, got {unknown}")
@@ -215,10 +221,14 @@ class KdaFwdRecur:
         # the diagonal, T' transposed above it, T''s diagonal after γ. It is loaded twice, into the Aqk tile (read
         # K-major, as unpacked) and into a T' tile read MN-major (B = the tile's transpose); the math warps zero
         # each copy's other half (and set T''s diagonal) while the chunk's first product, Sᵀ(-w)ᵀ, runs
-        # (mask_packed).
+        # (mask_packed_words, or mask_packed_rows with PACK_MASK "rows").
         if pack and not t_in:
             raise ValueError("pack (CULA_KDA_PACK): needs t_in (u in stage 2), got t_in=False")
         self.pack = pack
+        pack_mask = PACK_MASK if pack_mask is None else pack_mask
+        if pack_mask not in PACK_MASKS:
+            raise ValueError(f"pack_mask (CULA_KDA_PACK_MASK): expected one of {PACK_MASKS}, got {pack_mask!r}")
+        self.pack_mask = pack_mask
         # "w in stage 2" (kda_fwd.W_IN_RECUR; stage 1 built with x_out): pW holds -X = -(k̂ 2^Γ), and each chunk
         # forms Yᵀ = vᵀ + Sᵀ(-X)ᵀ (Sᵀ(-X)ᵀ where Sᵀ(-w)ᵀ was, v added from the v tile), then v_newᵀ = bf16(Yᵀ) T'ᵀ:
         # v_new = T'(v - X S) = u - w S without w, one k64 product more on the chain and vᵀ T'ᵀ's product less
@@ -1070,7 +1080,10 @@ class KdaFwdRecur:
                 warpgroup.commit_group()
                 if cutlass.const_expr(self.t_in):
                     if cutlass.const_expr(self.pack):
-                        self.mask_packed(aqk_raw, tp_raw, gam_bf16, st, tidx)
+                        if cutlass.const_expr(self.pack_mask == "rows"):
+                            self.mask_packed_rows(aqk_raw, tp_raw, gam_bf16, st, tidx)
+                        else:
+                            self.mask_packed_words(aqk_raw, tp_raw, gam_bf16, st, tidx)
                     if cutlass.const_expr(not self.x_in):
                         self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, st, seq_end - (bos + ci * CHUNK), tidx)
                 # x_in: group 2's first half only (its second follows Yᵀ T'ᵀ, so neither half delays the chain's
@@ -1290,17 +1303,56 @@ class KdaFwdRecur:
         cute.copy(u_copy, thr64.partition_C(sU[None, None, st]), rV16)
 
     @cute.jit
-    def mask_packed(self, aqk_raw: cute.Pointer, tp_raw: cute.Pointer, gam_bf16: cute.Pointer, st, tidx):
+    def mask_packed_words(self, aqk_raw: cute.Pointer, tp_raw: cute.Pointer, gam_bf16: cute.Pointer, st, tidx):
+        """pack, by the math threads: mask stage ``st``'s two copies of the packed tile P (P[r, c] is Aqk[r, c] for
+        c <= r and T'[c, r] for c > r; ``aqk_raw``, ``tp_raw``: the tiles' unswizzled starts): the Aqk copy keeps
+        c <= r, the T' copy c > r plus T''s diagonal, bf16(β_r), from γ's row. A thread takes four of the 512
+        16-byte pieces (8 threads a 128-byte row: conflict-free); a piece wholly on one side is zeroed in the other
+        copy without a read, the diagonal's is masked as 32-bit words of scalar code (a register array written
+        under run-time conditions went to local memory). Then a fence for the async proxy and a barrier of the
+        math threads: the next products read the tiles."""
+        i32 = cutlass.Int32
+        zero = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+        zero.fill(0.0)
+        gam32 = cute.recast_ptr(gam_bf16, dtype=i32)
+        for m in cutlass.range_constexpr(CHUNK * 8 // V2_MATH_THREADS):
+            q = tidx + V2_MATH_THREADS * m
+            r = q // 8
+            p = q % 8
+            # the 128-byte swizzle: piece p of row r sits at 16-byte column p ^ (r % 8)
+            off = st * (CHUNK * CHUNK) + r * CHUNK + (p ^ (r % 8)) * 8
+            if 8 * p + 7 < r:  # below the diagonal: Aqk's, so not T''s
+                cute.make_tensor(tp_raw + cute.assume(off, divby=8), cute.make_layout(8)).store(zero.load())
+            elif 8 * p > r:  # above it: T''s, so not Aqk's
+                cute.make_tensor(aqk_raw + cute.assume(off, divby=8), cute.make_layout(8)).store(zero.load())
+            else:
+                # β_r is half (r % 2) of the word r // 2 after γ (little-endian pairs)
+                tail = cute.make_tensor(gam32 + (st * GAM_PITCH_PACK + DK + r // 2), cute.make_layout(1))[0]
+                half = i32(0xFFFF) - (r % 2) * i32(0x1FFFF)  # 0x0000FFFF or 0xFFFF0000
+                a32 = cute.recast_ptr(aqk_raw, dtype=i32) + (off // 2)
+                t32 = cute.recast_ptr(tp_raw, dtype=i32) + (off // 2)
+                for w in cutlass.range_constexpr(4):
+                    col = 8 * p + 2 * w  # the word's two columns: col (low half), col + 1 (high half)
+                    keep_a = i32(col <= r) * i32(0xFFFF) + i32(col + 1 <= r) * i32(-0x10000)
+                    wa = cute.make_tensor(a32 + w, cute.make_layout(1))
+                    wt = cute.make_tensor(t32 + w, cute.make_layout(1))
+                    wa[0] = wa[0] & keep_a
+                    wt[0] = (wt[0] & ~keep_a) | (tail & half) * i32(col == r - r % 2)  # T': c > r, and β_r
+        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+        cute.arch.barrier(barrier_id=PACK_BARRIER, number_of_threads=V2_MATH_THREADS)
+
+    @cute.jit
+    def mask_packed_rows(self, aqk_raw: cute.Pointer, tp_raw: cute.Pointer, gam_bf16: cute.Pointer, st, tidx):
         """pack, by the math threads: mask stage ``st``'s two copies of the packed tile P (P[r, c] is Aqk[r, c] for
         c <= r and T'[c, r] for c > r; ``aqk_raw``, ``tp_raw``: the tiles' unswizzled starts): the Aqk copy keeps
         c <= r, the T' copy c > r plus T''s diagonal, bf16(β_r), from γ's row. Two passes over the 512 16-byte
         pieces (8 a 128-byte row). First every thread takes four pieces (8 threads a row: conflict-free) and zeroes
         one wholly on one side in the other copy, without a read. Then the 64 diagonal pieces, row r's by thread r
         (warps 0-1; warps 2-3 skip it whole): one 16-byte read, two 16-byte writes of 32-bit words masked by
-        r % 8 (constant indices keep the words in registers). Until session 42 each of a warp's four diagonal lanes
-        masked its piece word by word while the other 28 lanes waited: ~380 of a math warp's ~900 instructions a
-        chunk, in a stage 2 bound by its issue (ncu, H100, one warp a scheduler). Then a fence for the async proxy
-        and a barrier of the math threads: the next products read the tiles."""
+        r % 8 (constant indices keep the words in registers). :meth:`mask_packed_words` has each of a warp's four
+        diagonal lanes mask its piece word by word while the other 28 lanes wait: ~380 of a math warp's ~900
+        instructions a chunk, in a stage 2 bound by its issue (ncu, H100, one warp a scheduler). Then a fence for
+        the async proxy and a barrier of the math threads: the next products read the tiles."""
         i32 = cutlass.Int32
         zero = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
         zero.fill(0.0)
@@ -1478,6 +1530,8 @@ def compile_targets():
     targets["v2_t_in_pack_state_smem"] = build(**full, variant="v2", state_smem=True, t_in=True, pack=True)
     # w in stage 2 (kda_fwd.W_IN_RECUR): v_new = T'(v - X S), packed and unpacked, with the state buffer too
     targets["v2_t_in_pack_x"] = build(**full, variant="v2", t_in=True, pack=True, x_in=True)
+    targets["v2_t_in_pack_x_rows"] = build(**full, variant="v2", t_in=True, pack=True, x_in=True,
+                                           pack_mask="rows")  # CULA_KDA_PACK_MASK=rows
     targets["v2_t_in_x"] = build(**full, variant="v2", t_in=True, x_in=True)
     targets["v2_t_in_x_state_smem"] = build(**full, variant="v2", state_smem=True, t_in=True, x_in=True)
 
