@@ -153,12 +153,12 @@ for s in $steps; do
         python3 -m cula.kernels.common.ncu_phases "$OUT/ncu_sass.csv" --warps $((4096 * 4)) ;;
     s42_mask)  # session 42: the packed tile masked in two passes (CULA_KDA_PACK_MASK=rows: the off-diagonal pieces, then
         # row r's diagonal piece by thread r): packed bitwise the unpacked path and the w-in-stage-2 references (GPU
-        # tests), then the split rows against the default (the word mask), A/B/A in one call (AOT rows_*)
+        # tests), then the packed split rows against the default (the word mask), A/B/A in one call (AOT rows_*)
         step s42_mask_tests 200 env CULA_KDA_PACK_MASK=rows python3 -u -m pytest -x -v -m gpu -p no:cacheprovider \
             -rf tests/test_kernel_kda_fwd.py -k "pack_equals_unpacked or w_in_recur" || continue
-        step s42_split_words 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
-        step s42_split_rows 90 env CULA_KDA_PACK_MASK=rows python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst
-        step s42_split_words 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split worst ;;
+        step s42_split_words 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split packed
+        step s42_split_rows 90 env CULA_KDA_PACK_MASK=rows python3 -u -m cula.kernels.sm90.kda_fwd --check --split packed
+        step s42_split_words 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split packed ;;
     ncu_recur)  # session 42: stage 2 (v2) at B2 T16384 under ncu (one launch, full set): is its ~2 us chunk step its chain
         # (one math warpgroup: tensor pipe mostly idle, warps waiting on wgmma / barriers) or memory?
         step ncu_recur 240 ncu --clock-control none -k regex:recur --launch-count 1 --set full \
