@@ -13,7 +13,7 @@ from cula.bench.inputs import build_inputs
 from cula.bench.runner import BenchError, canonical_command, execute, parse_impls, resolve_plan
 from cula.bench.schema import ERROR, FAIL, OK, UNAVAILABLE
 from cula.bench.store import Store
-from cula.bench.timing import Timer, TimingSettings, percentile, summarize
+from cula.bench.timing import Timer, TimingSettings, event_ms, percentile, summarize
 from cula.suites import load_suite
 
 FAST = TimingSettings(max_reps=3, min_reps=2, max_time_s=0.01, warmup_ms=0.0)
@@ -226,6 +226,33 @@ def test_percentiles_and_cpu_timer():
     calls = []
     timing = Timer("cpu", TimingSettings(max_reps=7, min_reps=2, max_time_s=10)).eager(lambda: calls.append(1))
     assert timing.reps == 7 and timing.median_ms >= 0 and len(calls) >= 8
+
+
+def test_event_ms_brackets_one_call(monkeypatch):
+    """event_ms records its start event, calls fn once, records and waits for the end event, and returns the
+    events' elapsed time (fake events on the CPU: the order is what is checked)."""
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.name = "start" if not any(isinstance(x, Event) for x in log) else "end"
+            log.append(self)
+
+        def record(self):
+            log.append(f"record {self.name}")
+
+        def synchronize(self):
+            log.append(f"sync {self.name}")
+
+        def elapsed_time(self, end):
+            log.append(f"elapsed {self.name}->{end.name}")
+            return 2.5
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    assert event_ms(lambda: log.append("fn")) == 2.5
+    assert [x for x in log if isinstance(x, str)] == ["record start", "fn", "record end", "sync end",
+                                                      "elapsed start->end"]
 
 
 def test_timer_refuses_an_unknown_flush():

@@ -125,8 +125,9 @@ def _namespace(barriers: list) -> dict:
 
 
 def _offset(st: int, r: int, c: int) -> int:
-    """Element (r, c) of stage st's tile, 128-byte swizzled (layout_facts' pack_mask_offset_mismatches checks it)."""
-    return st * TILE + r * CHUNK + ((c // 8) ^ (r % 8)) * 8 + c % 8
+    """Element (r, c) of stage st's tile, 128-byte swizzled (layout_facts' pack_mask_offset_mismatches checks the
+    piece offsets against CuTe's layout)."""
+    return recur.packed_piece_offset(st, r, c // 8) + c % 8
 
 
 def _run(seed: int, mask):

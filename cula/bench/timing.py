@@ -67,6 +67,19 @@ def percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def event_ms(fn: Callable[[], Any]) -> float:
+    """Milliseconds of one call of ``fn`` on the current CUDA stream, between two CUDA events (waits for the second):
+    what the kernels' own A/B tools time, each after its own flush or warm-up."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def summarize(times_ms: list[float], note: str = "") -> Timing:
     return Timing(percentile(times_ms, 50), percentile(times_ms, 20), percentile(times_ms, 80),
                   len(times_ms), note)

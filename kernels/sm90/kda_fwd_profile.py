@@ -52,6 +52,7 @@ def l2_premise(rows=PREMISE_ROWS, reps: int = 20) -> list[dict]:
     per launch by events, median of ``reps``: *cold* after an L2 flush, *warm* right after an untimed launch on
     the same buffers (what it reads is then in L2 where it fits). ``us/step`` is the time over the chunks one CTA
     walks (items x chunks / CTAs)."""
+    from cula.bench.timing import event_ms
     from cula.kernels.sm90 import kda_fwd as kf
 
     flush = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
@@ -75,12 +76,7 @@ def l2_premise(rows=PREMISE_ROWS, reps: int = 20) -> list[dict]:
                         flush.zero_()
                     else:
                         stage2()
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    stage2()
-                    b.record()
-                    torch.cuda.synchronize()
-                    times[mode].append(a.elapsed_time(b))
+                    times[mode].append(event_ms(stage2))
             kf.sm_count = saved
             row = dict(B=B, T=T, H=H, ctas=min(ctas, items), items=items, chunks=chunks)
             steps = items * chunks / row["ctas"]

@@ -124,6 +124,13 @@ PACK_BARRIER = 3  # pack: the math threads' masking of a stage's two copies of t
 #: tests/test_kda_mask_packed_emulated.py, and not yet run on a GPU, hence opt-in). ``CULA_KDA_PACK_MASK``.
 PACK_MASKS = ("words", "rows")
 PACK_MASK = __import__("os").environ.get("CULA_KDA_PACK_MASK", "words")
+
+
+def packed_piece_offset(st, r, p):
+    """Element offset of 16-byte piece ``p`` (columns 8p..8p+7) of row ``r`` in stage ``st``'s copy of the packed
+    tile: the 128-byte swizzle puts it at 16-byte column p ^ (r % 8) (layout_facts' pack_mask_offset_mismatches)."""
+    return st * (CHUNK * CHUNK) + r * CHUNK + (p ^ (r % 8)) * 8
+
 # raw_in: warpgroup 1 (warps 4-7) forms qg, -X and kg in shared memory from q, k and g (kda_fwd_raw_tiles); the TMA
 # warp is warp 8, its warpgroup's other three idle. Hopper allocates registers by warpgroup, so 9 warps would launch
 # at 168 a thread (384 threads' worth) with the math spilling: setmaxnreg gives the math warpgroup what the default
@@ -1319,8 +1326,7 @@ class KdaFwdRecur:
             q = tidx + V2_MATH_THREADS * m
             r = q // 8
             p = q % 8
-            # the 128-byte swizzle: piece p of row r sits at 16-byte column p ^ (r % 8)
-            off = st * (CHUNK * CHUNK) + r * CHUNK + (p ^ (r % 8)) * 8
+            off = packed_piece_offset(st, r, p)
             if 8 * p + 7 < r:  # below the diagonal: Aqk's, so not T''s
                 cute.make_tensor(tp_raw + cute.assume(off, divby=8), cute.make_layout(8)).store(zero.load())
             elif 8 * p > r:  # above it: T''s, so not Aqk's
@@ -1360,8 +1366,7 @@ class KdaFwdRecur:
             q = tidx + V2_MATH_THREADS * m
             r = q // 8
             p = q % 8
-            # the 128-byte swizzle: piece p of row r sits at 16-byte column p ^ (r % 8)
-            off = st * (CHUNK * CHUNK) + r * CHUNK + (p ^ (r % 8)) * 8
+            off = packed_piece_offset(st, r, p)
             if 8 * p + 7 < r:  # below the diagonal: Aqk's, so not T''s
                 cute.make_tensor(tp_raw + cute.assume(off, divby=8), cute.make_layout(8)).store(zero.load())
             elif 8 * p > r:  # above it: T''s, so not Aqk's
@@ -1369,7 +1374,7 @@ class KdaFwdRecur:
         if tidx < CHUNK:
             r = tidx
             d = r % 8  # the diagonal's column within row r's piece r // 8
-            off2 = (st * (CHUNK * CHUNK) + r * CHUNK + ((r // 8) ^ d) * 8) // 2  # in 32-bit words
+            off2 = packed_piece_offset(st, r, r // 8) // 2  # in 32-bit words
             words = cute.make_rmem_tensor(cute.make_layout(4), i32)
             words.store(cute.make_tensor(cute.recast_ptr(aqk_raw, dtype=i32) + cute.assume(off2, divby=4),
                                          cute.make_layout(4)).load())
@@ -1670,7 +1675,7 @@ def layout_facts() -> dict:
             return (lin ^ (((lin >> 7) & 7) << 4)) // 2
 
         facts["pack_mask_offset_mismatches"] = sum(
-            int(st * CHUNK * CHUNK + r * CHUNK + (p ^ (r % 8)) * 8 + c != swizzled(r, 8 * p + c, st))
+            int(packed_piece_offset(st, r, p) + c != swizzled(r, 8 * p + c, st))
             for r in range(CHUNK) for p in range(8) for c in range(8) for st in range(2))
         # raw_in: RawTiles.pair swizzles only a half's local offset (row i < 32 of the half, key c) and adds the
         # half's start: exact where the starts have none of the bits the swizzle reads, for q / k's tile and g's
@@ -1863,6 +1868,7 @@ def bench_raw(shapes=((2, 16384, 64), (1, 8192, 64)), reps: int = 30, diags: tup
     ``RAW_DIAGS`` variants timed in the same rotation (their results are wrong)."""
     import torch
 
+    from cula.bench.timing import event_ms
     from cula.kernels.sm90 import kda_fwd as kf
 
     dev = torch.device("cuda")
@@ -1902,12 +1908,7 @@ def bench_raw(shapes=((2, 16384, 64), (1, 8192, 64)), reps: int = 30, diags: tup
         for _ in range(reps):
             for name, fn in fns.items():
                 flush.zero_()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                times[name].append(a.elapsed_time(b))
+                times[name].append(event_ms(fn))
         row = dict(B=B, T=T, HV=HV, **{f"{n}_ms": sorted(t)[len(t) // 2] for n, t in times.items()})
         print(row, flush=True)
         rows.append(row)
