@@ -130,9 +130,10 @@ def _offset(st: int, r: int, c: int) -> int:
     return recur.packed_piece_offset(st, r, c // 8) + c % 8
 
 
-def _run(seed: int, mask):
+def _run(seed: int, mask, threads: int = THREADS):
     """Both stages' copies filled with random packed tiles P, γ rows with β's bf16 in the tail, then every math
-    thread's ``mask`` for each stage; returns P, β and the two copies in (stage, r, c) order."""
+    thread's ``mask`` for each stage (``threads``: 256 for stage 2 as pairs, whose two math warpgroups share the
+    masking); returns P, β and the two copies in (stage, r, c) order."""
     rng = np.random.default_rng(seed)
     p = rng.integers(1, 1 << 16, size=(STAGES, CHUNK, CHUNK), dtype=np.uint16)  # never 0: a zero must be a mask
     beta = rng.integers(1, 1 << 16, size=(STAGES, CHUNK), dtype=np.uint16)
@@ -151,22 +152,24 @@ def _run(seed: int, mask):
     mem.bytes[gam0:] = gam.reshape(-1).view(np.uint8)
     barriers: list = []
     fn = emu.rebind(mask, _namespace(barriers))
-    kern = types.SimpleNamespace()
+    kern = types.SimpleNamespace(math_threads=threads)
     for st in range(STAGES):
-        for tid in range(THREADS):
+        for tid in range(threads):
             mem.tid = tid
             fn(kern, _Ptr(mem, aqk0, BF16), _Ptr(mem, tp0, BF16), _Ptr(mem, gam0, BF16), st, tid)
         mem.writer[:] = -1  # the barrier at the end orders this stage's writes before anything after it
-    assert barriers == [(recur.PACK_BARRIER, THREADS)] * (STAGES * THREADS)
+    assert barriers == [(recur.PACK_BARRIER, threads)] * (STAGES * threads)
     out = np.frombuffer(mem.bytes[:gam0].tobytes(), np.uint16).reshape(2, STAGES * TILE)
     idx = np.array([[[_offset(st, r, c) for c in range(CHUNK)] for r in range(CHUNK)] for st in range(STAGES)])
     return p, beta, out[0][idx], out[1][idx]
 
 
+@pytest.mark.parametrize("name,threads", [("mask_packed_words", THREADS), ("mask_packed_rows", THREADS),
+                                          ("mask_packed_words", recur.PAIR_MATH_THREADS)],
+                         ids=["words", "rows", "words-pair"])
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("name", ["mask_packed_words", "mask_packed_rows"])
-def test_mask_packed_leaves_aqk_and_t_prime(name, seed):
-    p, beta, aqk, tp = _run(seed, getattr(recur.KdaFwdRecur, name))
+def test_mask_packed_leaves_aqk_and_t_prime(name, seed, threads):
+    p, beta, aqk, tp = _run(seed, getattr(recur.KdaFwdRecur, name), threads)
     r = np.arange(CHUNK)[:, None]
     c = np.arange(CHUNK)[None, :]
     for st in range(STAGES):

@@ -342,6 +342,72 @@ def test_recur_state_smem_choice(monkeypatch):
     assert kr.KdaFwdRecur(**{**flags, "output_final_state": True}, variant="v2", state_smem=True).stages == 2
 
 
+def test_recur_pair_choice_and_validation(monkeypatch):
+    """Stage 2 as pairs (both V halves of an item in one CTA): "auto" only where the V halves outnumber the SMs,
+    "1" always, "0" never, anything else a ValueError naming the variable; the kernel refuses the combinations it
+    has no code for, and takes two stages and three warpgroups."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.sm90 import kda_fwd_recur as kr
+
+    monkeypatch.setattr(kr, "PAIR_ENV", "auto")
+    assert kr.use_pair(2, 64, 132)  # B2 H64: 256 V halves
+    assert not kr.use_pair(1, 64, 132) and not kr.use_pair(1, 66, 132)  # 128 and 132 V halves: one each per SM
+    assert kr.use_pair(1, 67, 132)
+    monkeypatch.setattr(kr, "PAIR_ENV", "1")
+    assert kr.use_pair(1, 1, 132)
+    monkeypatch.setattr(kr, "PAIR_ENV", "0")
+    assert not kr.use_pair(20, 64, 132)
+    monkeypatch.setattr(kr, "PAIR_ENV", "yes")
+    with pytest.raises(ValueError, match="CULA_KDA_RECUR_PAIR"):
+        kr.use_pair(2, 64, 132)
+    full = dict(has_initial_state=True, output_final_state=True, state_v_first=False, variant="v2")
+    k = kr.KdaFwdRecur(**full, t_in=True, x_in=True, pack=True, pair=True)
+    assert (k.stages, k.threads_v2, k.tma_warp, k.math_threads) == (2, 384, 8, 256)
+    assert kr.KdaFwdRecur(**full, t_in=True, x_in=True).math_threads == 128
+    with pytest.raises(ValueError, match="x_in"):
+        kr.KdaFwdRecur(**full, t_in=True, pair=True)
+    with pytest.raises(ValueError, match="state_smem"):
+        kr.KdaFwdRecur(**full, t_in=True, x_in=True, pair=True, state_smem=True)
+    with pytest.raises(ValueError, match="raw_in"):
+        kr.KdaFwdRecur(**full, t_in=True, x_in=True, raw_in=True, pair=True)
+    with pytest.raises(ValueError, match="pack_mask='rows'"):
+        kr.KdaFwdRecur(**full, t_in=True, x_in=True, pack=True, pack_mask="rows", pair=True)
+    assert kr.KdaFwdRecur(**full, t_in=True, x_in=True, pack_mask="rows", pair=True).pair  # (unpacked: no mask)
+    # the setmaxnreg split fills the launch's pool exactly: 3 warpgroups at 168 registers a thread
+    assert 2 * kr.PAIR_MATH_REGS + kr.PAIR_TMA_REGS == 3 * 168 and kr.PAIR_TMA_REGS >= 24
+
+
+def test_recur_pair_launch_keys(monkeypatch):
+    """kda_fwd asks for the pair kernel (``pair`` in stage 2's key, nothing else changed) only where use_pair says
+    so and the state does not go through the buffer; the default keys carry no ``pair``."""
+    pytest.importorskip("cutlass")
+    from cula.kernels.sm90 import kda_fwd_recur as kr
+
+    def recur_keys(B, T, state):
+        calls = record_kda_launches(monkeypatch)
+        meta = torch.device("meta")
+        x = torch.empty(B, T, 4, 128, device=meta, dtype=torch.bfloat16)
+        kda_fwd.kda_fwd(x, x, x, x, torch.empty(B, T, 4, device=meta, dtype=torch.bfloat16),
+                        initial_state=torch.empty(B, 4, 128, 128, device=meta) if state else None,
+                        output_final_state=state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                        use_beta_sigmoid_in_kernel=True, A_log=torch.empty(4, device=meta),
+                        dt_bias=torch.empty(512, device=meta), lower_bound=-5.0, safe_gate=True)
+        return [dict(key[0]) for kind, key, *_ in calls if kind == "recur"]
+
+    monkeypatch.setattr(kr, "PAIR_ENV", "0")
+    assert all("pair" not in k for k in recur_keys(2, 1000, True))
+    monkeypatch.setattr(kr, "PAIR_ENV", "1")
+    assert [k.get("pair") for k in recur_keys(2, 1000, True)] == [True]
+    assert [k.get("pair") for k in recur_keys(2, 1000, False)] == [True]
+    monkeypatch.setattr(kr, "PACK_MASK", "rows")  # packed (B2 T5000: 79 chunks a sequence) with the rows mask: no pair
+    assert [k.get("pair") for k in recur_keys(2, 5000, True)] == [None]
+    assert [k.get("pair") for k in recur_keys(2, 300, False)] == [True]  # (unpacked: no mask; no state: no buffer)
+    monkeypatch.setattr(kr, "PACK_MASK", "words")
+    assert [k.get("pair") for k in recur_keys(2, 5000, True)] == [True]
+    monkeypatch.setattr(kr, "STATE_SMEM_ENV", "1")  # the state buffer wins: no pair
+    assert [k.get("pair") for k in recur_keys(2, 1000, True)] == [None]
+
+
 @pytest.mark.parametrize("v_first", [False, True], ids=["kfirst", "vfirst"])
 def test_recur_state_buffer_addressing(v_first):
     """The state buffer's element and 16-byte piece addressing agree: every element of a state tile has
@@ -889,6 +955,35 @@ def _check_bitwise_equal(args, kw, reference, candidate, after=lambda: None):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(o_g, o_ref)
+
+
+#: The GPU test's cases for stage 2 as pairs: fixed, GVA V-first, partial chunks, zero-length segments, 33 segments,
+#: the softplus gate, a log-space gate, a long random varlen batch and short items with empty ones between them
+PAIR_CASES = ["tc-T1", "tc-T65-gva-vfirst", "tc-T1000-negeig", "tc-varlen-zero", "tc-varlen-33",
+              "tc-softplus-varlen-zero", "tc-loggate-safe-varlen", "big-varlen", "short-zero-varlen"]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode", ["unpacked", "packed"])
+@pytest.mark.parametrize("name", PAIR_CASES)
+def test_gpu_pair_equals_split(name, mode, monkeypatch):
+    """Stage 2 as pairs (CULA_KDA_RECUR_PAIR=1: one CTA per item, one math warpgroup per V half, the stage's tiles
+    shared and the packed tile masked by both) runs each V half's instructions on the same operands as the split
+    launch: the scratch, o and the final state are bitwise the split launch's, with and without a state, twice, and
+    in a CUDA graph. The state buffer is off in both (pair never takes it); the pair kernel must have run."""
+    from cula.kernels.sm90 import kda_fwd_recur as kr
+
+    args, kw = _equality_case(name)
+    monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
+    monkeypatch.setattr(kda_fwd, "W_IN_RECUR", True)
+    monkeypatch.setattr(kda_fwd, "PACK", "0" if mode == "unpacked" else "1")
+    monkeypatch.setattr(kr, "PACK_MASK", "words")
+    monkeypatch.setattr(kr, "STATE_SMEM_ENV", "0")
+    keys = _recorded_launch_keys(monkeypatch)
+    _check_bitwise_equal(args, kw, lambda: monkeypatch.setattr(kr, "PAIR_ENV", "0"),
+                         lambda: monkeypatch.setattr(kr, "PAIR_ENV", "1"))
+    assert any(("pair", True) in k[0] for k in keys if isinstance(k, tuple) and k and isinstance(k[0], tuple))
 
 
 #: The GPU test's cases for W_IN_RECUR: every gate form, GVA V-first, partial chunks, zero-length segments, 33 segments
@@ -1441,6 +1536,33 @@ def test_use_pack_by_length_unless_forced(monkeypatch):
     monkeypatch.setattr(kda_fwd, "PACK", "yes")
     with pytest.raises(ValueError, match="CULA_KDA_PACK: expected '0' or '1'"):
         kda_fwd.use_pack(2, 512)
+
+
+def test_ptx_pair():
+    """Stage 2 as pairs (both V halves of an item in one CTA): no spills and no local memory under the setmaxnreg
+    split (the math warpgroups up to PAIR_MATH_REGS, the TMA warpgroup's four warps down to PAIR_TMA_REGS), the
+    split kernel's wgmma (each warpgroup runs its V half's chunk), one bulk tensor copy more (v's second half), the
+    packed tile's mask ending on one barrier of both warpgroups (256 threads) and each warpgroup's v zeroing on its
+    own (a run-time barrier id)."""
+    from cula.kernels.common.ptx_check import ptx_reports
+    from cula.kernels.sm90 import kda_fwd_recur as kr
+
+    names = ["recur_v2_t_in_pack_x", "recur_v2_t_in_pack_x_pair", "recur_v2_t_in_x_pair",
+             "recur_v2_t_in_pack_x_pair_no_state", "recur_v2_t_in_pack_x_pair_h0_only",
+             "recur_v2_t_in_pack_x_pair_ht_only", "recur_v2_t_in_x_pair_v_first"]
+    r = ptx_reports("cula.kernels.sm90.kda_fwd", names)
+    base = r[names[0]]
+    assert "setmaxnreg" not in base.ptx
+    for n in names[1:]:
+        rep = r[n]
+        assert rep.spill_bytes == 0 and ".local" not in rep.ptx, n
+        assert rep.count("wgmma.mma_async") == base.count("wgmma.mma_async"), n
+        assert rep.count("cp.async.bulk.tensor") == base.count("cp.async.bulk.tensor") + 1, n
+        assert rep.count(f"setmaxnreg.inc.sync.aligned.u32 {kr.PAIR_MATH_REGS}") == 1, n
+        assert rep.count(f"setmaxnreg.dec.sync.aligned.u32 {kr.PAIR_TMA_REGS}") == 2, n
+        assert re.search(r"bar\.sync %r\d+, 128;", rep.ptx), n
+        assert (f"bar.sync {kr.PACK_BARRIER}, 256;" in rep.ptx) == ("pack" in n), n
+    assert f"bar.sync {kr.PACK_BARRIER}, 128;" in base.ptx
 
 
 def test_ptx_pack():

@@ -95,6 +95,15 @@ SCENARIOS = {
     "rows_pack_checks": ("tc", {"recur.PACK_MASK": "rows", "PACK": "1"}),
     "rows_split": ("split", {"recur.PACK_MASK": "rows"}),
     "unpacked_split": ("split", {"PACK": "0"}),
+    # device_round s43_pair: stage 2 as pairs (recur.PAIR_ENV "1") and the split launch it must equal bitwise, the
+    # state buffer off in both (the GPU test's calls), unpacked and packed; the split rows with pairs and the suites
+    # with "auto"
+    **{f"{n}_{m}_checks": ("tc", {"recur.PAIR_ENV": pe, "recur.STATE_SMEM_ENV": "0", "PACK": pk,
+                                  "recur.PACK_MASK": mk})
+       for n, pe in (("nossm", "0"), ("pair", "1"))
+       for m, pk, mk in (("unpacked", "0", "words"), ("packed", "1", "words"))},
+    "pair_split": ("split", {"recur.PAIR_ENV": "1"}),
+    "pair_auto_suites": ("suites", {"recur.PAIR_ENV": "auto"}),
     # device_round pack_premise: stage 1 without T''s store, stage 2 reading ~8 KB of [Aqk | T'] a chunk instead of
     # 16 (timing only: what packing the two into one 64 x 64 tile would save at most)
     "pack_premise_split": ("split", {"intra_tc.DIAG": ("no_tp_store",), "recur.RECUR_DIAG": ("half_at",)}),
@@ -341,7 +350,9 @@ CORE_SCENARIOS = ("default", "u_in_recur", "split", "split_u", "suites", "checks
                   "ctas2_split", "suites_ctas2", "unpacked_checks", "ctas2_unpacked_checks", "diag_no_qkx",
                   "widen_cvt_checks", "kgt_kh_checks", "s36_split",
                   "gate_square_checks", "gate_square_split", "diag_clock",
-                  "diag_no_stores", "raw_split", "raw_suites", "rows_checks", "rows_pack_checks", "rows_split")
+                  "diag_no_stores", "raw_split", "raw_suites", "rows_checks", "rows_pack_checks", "rows_split",
+                  *(f"{n}_{m}_checks" for n in ("nossm", "pair") for m in ("unpacked", "packed")),
+                  "pair_split", "pair_auto_suites")
 
 
 def main(argv: list[str]) -> int:

@@ -159,6 +159,14 @@ for s in $steps; do
         step s42_split_words 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split packed
         step s42_split_rows 90 env CULA_KDA_PACK_MASK=rows python3 -u -m cula.kernels.sm90.kda_fwd --check --split packed
         step s42_split_words 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split packed ;;
+    s43_pair)  # session 43: stage 2 as pairs (CULA_KDA_RECUR_PAIR=1: both V halves of an item in one CTA, one math
+        # warpgroup each, the stage's tiles shared): bitwise the split launch (GPU tests), then the pair split rows
+        # A/B/A (AOT nossm_* / pair_*)
+        step s43_pair_tests 240 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "pair_equals_split" || continue
+        step s43_split_a 100 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair
+        step s43_split_pair 100 env CULA_KDA_RECUR_PAIR=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair
+        step s43_split_b 100 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair ;;
     ncu_recur)  # session 42: stage 2 (v2) at B2 T16384 under ncu (one launch, full set): is its ~2 us chunk step its chain
         # (one math warpgroup: tensor pipe mostly idle, warps waiting on wgmma / barriers) or memory?
         step ncu_recur 240 ncu --clock-control none -k regex:recur --launch-count 1 --set full \

@@ -692,6 +692,9 @@ def kda_fwd(
                               "(timing only)", stacklevel=2)
                 rflags.update(diag=recur.RECUR_DIAG)
         ssm = variant == "v2" and recur.use_state_smem(N, NC, h_in is not None or h_out is not None)
+        if (x_split and not raw and not ssm and variant == "v2" and not (pack and recur.PACK_MASK != "words")
+                and recur.use_pair(N, HV, sm_count(dev))):
+            rflags.update(pair=True)  # (only set: the other keys stay as before)
         if raw:
             gate = "log" if log_tc else ("softplus" if softplus_tc else "sigmoid")
             for name in ("t_in", "x_in"):

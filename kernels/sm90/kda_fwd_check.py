@@ -178,6 +178,9 @@ SPLIT_WORST = (("uniform", 20, 4096, 64), ("random", 20, 4096, 64), ("skewed", 2
 #: fixed rows whose stage 2 reads the packed tile (more than PACK_ABOVE_CHUNKS chunks a sequence), longest first
 #: (device_round s42_mask: the packed mask's A/B)
 SPLIT_PACKED = ((2, 16384, 64), (1, 16384, 64), (1, 4096, 64))
+#: stage 2 as pairs (kda_fwd_recur.PAIR_ENV; device_round s43_pair): B2 T16384 and a long varlen batch (V halves
+#: outnumber the SMs: "auto" takes pairs), B2 T4096, and B1 T16384, where pairs leave half the SMs idle
+SPLIT_PAIR = ((2, 16384, 64), ("uniform", 10, 16384, 64), (2, 4096, 64), (1, 16384, 64))
 #: the suite's shortest fixed rows, where the launch gap and stage 2's start are a visible share
 SPLIT_SMALL = ((1, 512, 64), (2, 512, 64), (1, 1024, 64), (2, 1024, 64))
 #: where stage 2's programmatic launch could help (short rows) or cost (long rows): both ends
@@ -268,11 +271,12 @@ def main(argv: list[str]) -> int:
 
         kf.INTRA_TC = False
         print("stage 1: SIMT only", flush=True)
-    if "--split" in argv:  # --split [varlen | all | worst | small | pdl | l2 | items | packed] [--no-h0] [--no-ht]
+    if "--split" in argv:  # --split [varlen | all | worst | small | pdl | l2 | items | packed | pair] [--no-h0|--no-ht]
         nxt = argv[argv.index("--split") + 1] if argv.index("--split") + 1 < len(argv) else ""
         sets = {"varlen": SPLIT_VARLEN, "all": SPLIT_FIXED + SPLIT_VARLEN, "worst": SPLIT_WORST,
                 "small": SPLIT_SMALL, "pdl": SPLIT_PDL, "l2": SPLIT_L2,
-                "items": SPLIT_ITEMS, "packed": SPLIT_PACKED}
+                "items": SPLIT_ITEMS, "packed": SPLIT_PACKED,
+                "pair": SPLIT_PAIR}
         split(dev, sets.get(nxt, SPLIT_FIXED), initial="--no-h0" not in argv, final="--no-ht" not in argv)
         return 0
     cases = CASES[:3] if "--quick" in argv else CASES

@@ -131,6 +131,30 @@ def packed_piece_offset(st, r, p):
     tile: the 128-byte swizzle puts it at 16-byte column p ^ (r % 8) (layout_facts' pack_mask_offset_mismatches)."""
     return st * (CHUNK * CHUNK) + r * CHUNK + (p ^ (r % 8)) * 8
 
+# "pair" (session 43, opt-in ``CULA_KDA_RECUR_PAIR=1``): one CTA per (head, sequence) item with two math warpgroups,
+# warpgroup w taking the state's V half w, both reading one copy of the stage's w (-X), qg, [Aqk | T'], kgᵀ and γ
+# (only v differs: both halves land, one slot each). A stage-2 chunk step costs a CTA ~2 µs whatever its inputs'
+# place (session 42's L2 premise), so stage 2 is bound by one warpgroup's chain per SM; two chains per SM interleave
+# their issue and their tensor work, and the shared tiles halve the bytes from L2 into the SM. Items halve too, so
+# a grid of fewer items than SMs (B1 H64: 64 pairs) would leave SMs idle: kda_fwd takes it only where V halves
+# outnumber SMs. 2 x 128 math threads + the TMA warp (warp 8): Hopper allocates registers by warpgroup, so the
+# launch is 384 threads' worth at 168 a thread (as raw_in's); setmaxnreg gives the math warpgroups 232 and leaves the
+# TMA warpgroup 40 (2 x 232 + 40 = 3 x 168). With the word mask (PACK_MASK's default) every state option fits
+# without spills; the rows mask does not (12-32 bytes spilled at 232 / 40 or at 240 / 24, depending on the state
+# options), so pair takes the word mask only.
+# Two stages (80.7 KB each: v's two halves) and eight warps' o staging fit 227 KB; the state buffer does not, so
+# pair is never combined with state_smem. The values are the split launch's bitwise: each warpgroup runs the same
+# instructions on the same operands as the CTA of its V half would.
+PAIR_MODES = ("0", "1", "auto")
+PAIR_ENV = __import__("os").environ.get("CULA_KDA_RECUR_PAIR", "0")
+PAIR_MATH_THREADS = 2 * V2_MATH_THREADS
+PAIR_TMA_WARP = 8
+PAIR_BLOCK = 3 * 128
+PAIR_MATH_REGS = 232
+PAIR_TMA_REGS = 40
+PAIR_STAGES = 2
+V_ZERO_BARRIER_WG1 = 4  # pair: warpgroup 1's zeroing of its v rows (warpgroup 0 keeps V_ZERO_BARRIER)
+
 # raw_in: warpgroup 1 (warps 4-7) forms qg, -X and kg in shared memory from q, k and g (kda_fwd_raw_tiles); the TMA
 # warp is warp 8, its warpgroup's other three idle. Hopper allocates registers by warpgroup, so 9 warps would launch
 # at 168 a thread (384 threads' worth) with the math spilling: setmaxnreg gives the math warpgroup what the default
@@ -150,6 +174,16 @@ RAW_TMA_REGS = 56
 RAW_DIAGS = ("", "skip", "pass1")
 #: pack (session 29): γ's row in floats, γ's DK then T''s diagonal as 64 bf16 (stage 1 writes both)
 GAM_PITCH_PACK = DK + CHUNK // 2
+
+
+def use_pair(num_seqs: int, num_heads_v: int, sms: int) -> bool:
+    """Whether ``kda_fwd`` runs stage 2 as pairs (both V halves of an item in one CTA; ``CULA_KDA_RECUR_PAIR``):
+    "1" always, "auto" where the V halves (2 x heads x sequences) outnumber the SMs, "0" (the default) never."""
+    if PAIR_ENV not in PAIR_MODES:
+        raise ValueError(f"CULA_KDA_RECUR_PAIR: expected one of {PAIR_MODES}, got {PAIR_ENV!r}")
+    if PAIR_ENV == "auto":
+        return (DV // BV) * num_heads_v * num_seqs > sms
+    return PAIR_ENV == "1"
 
 
 def use_state_smem(num_seqs: int, num_chunks: int, has_state: bool) -> bool:
@@ -199,7 +233,8 @@ class KdaFwdRecur:
     def __init__(self, has_initial_state: bool, output_final_state: bool, state_v_first: bool,
                  variant: str | None = None, h0_prefetch: bool | None = None, pdl: bool | None = None,
                  state_smem: bool = False, t_in: bool = False, diag: tuple = (), pack: bool = False,
-                 x_in: bool = False, raw_in: bool = False, gate: str = "sigmoid", pack_mask: str | None = None):
+                 x_in: bool = False, raw_in: bool = False, gate: str = "sigmoid", pack_mask: str | None = None,
+                 pair: bool = False):
         unknown = [d for d in diag if d not in RECUR_DIAG_OPTIONS]
         if unknown:
             raise ValueError(f"diag (CULA_KDA_RECUR_DIAG): expected names from {RECUR_DIAG_OPTIONS}, got {unknown}")
@@ -253,10 +288,25 @@ class KdaFwdRecur:
         if gate not in RAW_GATES:
             raise ValueError(f"gate: expected one of {RAW_GATES}, got {gate!r}")
         self.raw_in, self.gate = raw_in, gate
+        # pair (PAIR_ENV): both V halves of a (head, sequence) item in one CTA, one math warpgroup each
+        if pair and not x_in:
+            raise ValueError("pair (CULA_KDA_RECUR_PAIR): needs x_in (w in stage 2), got x_in=False")
+        if pair and raw_in:
+            raise ValueError("pair (CULA_KDA_RECUR_PAIR): not with raw_in (its transform warpgroup), got raw_in=True")
+        if pair and pack and pack_mask != "words":
+            raise ValueError(f"pair (CULA_KDA_RECUR_PAIR): the packed tile with the word mask only (the rows mask "
+                             f"spills there), got pack_mask={pack_mask!r}")
+        if pair and self.state_smem:
+            raise ValueError("pair (CULA_KDA_RECUR_PAIR): the state buffer does not fit beside two V halves' stages, "
+                             "got state_smem=True")
+        self.pair = pair
+        if pair:
+            self.stages = PAIR_STAGES
+        self.math_threads = PAIR_MATH_THREADS if pair else V2_MATH_THREADS
         self.raw_diag = ""  # KdaFwdRecurRaw's timing diagnostics (RAW_DIAGS)
         self.raw_tiles = RawTiles(gate, swizzled=True) if raw_in else None
-        self.threads_v2 = RAW_BLOCK if raw_in else V2_THREADS
-        self.tma_warp = RAW_TMA_WARP if raw_in else V2_TMA_WARP
+        self.threads_v2 = RAW_BLOCK if raw_in else (PAIR_BLOCK if pair else V2_THREADS)
+        self.tma_warp = RAW_TMA_WARP if raw_in else (PAIR_TMA_WARP if pair else V2_TMA_WARP)
         self.gam_pitch = GAM_PITCH_PACK if pack else DK
         self.o_pitch = V2_O_PITCH_COMPACT if t_in else V2_O_PITCH
         self.aqk_cols = 2 * CHUNK if t_in and not pack else CHUNK  # a chunk's Aqk (| T') box
@@ -612,8 +662,9 @@ class KdaFwdRecur:
         # pack: T' as the B operand of vᵀ T'ᵀ read MN-major from a copy of the packed tile, whose T' half is the
         # transpose (the same bytes as a K-major t64 tile: layout_facts)
         self.tp_layout = sm90_utils.make_smem_layout_b(col, (BV, CHUNK, CHUNK), bf16, S) if self.pack else None
-        self.va_layout = (sm90_utils.make_smem_layout_a(col, (BV, CHUNK, CHUNK), bf16, S) if self.t_in
-                          else self.t64_layout)
+        # pair: v's two halves a stage, stage st's half w in slot 2 st + w
+        self.va_layout = (sm90_utils.make_smem_layout_a(col, (BV, CHUNK, CHUNK), bf16, 2 * S if self.pair else S)
+                          if self.t_in else self.t64_layout)
 
     @cute.jit
     def launch_v2(
@@ -708,6 +759,8 @@ class KdaFwdRecur:
             tma_aqk, tAqk = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mAqk, t64_one, (CHUNK, CHUNK))
             tma_u, tU = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mU, t64_one, (CHUNK, BV))
             aqk_bytes = u_bytes = cute.size_in_bytes(bf16, t64_one)
+        if cutlass.const_expr(self.pair):
+            u_bytes = 2 * u_bytes  # both V halves
         self.tx_bytes_v2 = (
             2 * cute.size_in_bytes(bf16, w_one)
             + aqk_bytes + u_bytes
@@ -723,7 +776,8 @@ class KdaFwdRecur:
             mChunks, mSeq, mO, mH0, mHT, self.mma_rs_n64, self.mma_rs_n128,
             self.w2_layout, self.t64_layout, self.kgt2_layout, self.gam_layout, self.aqk2_layout, self.va_layout,
             tma_tp, tTp, self.tp_layout, mNrm, mAlog, mDtb, lower_bound, group,
-        ).launch(grid=[cutlass.min((DV // BV) * HV * N, max_ctas), 1, 1], block=[self.threads_v2, 1, 1],
+        ).launch(grid=[cutlass.min((1 if self.pair else DV // BV) * HV * N, max_ctas), 1, 1],
+                 block=[self.threads_v2, 1, 1],
                  smem=SharedStorageV2.size_in_bytes(), stream=stream, use_pdl=self.pdl)
 
     def storage_class_v2(self, o_dtype):
@@ -746,7 +800,7 @@ class KdaFwdRecur:
             members["sTp"] = align[mem[bf16, cute.cosize(self.tp_layout)], 1024]
         members.update({
             "sGam": align[mem[f32, cute.cosize(self.gam_layout)], 128],
-            "sO": align[mem[o_dtype, V2_WARPS * CHUNK * self.o_pitch], 128],
+            "sO": align[mem[o_dtype, self.math_threads // 32 * CHUNK * self.o_pitch], 128],
             "sH": align[mem[f32, STATE_BUF if self.state_smem else 4], 128],
         })
 
@@ -799,7 +853,7 @@ class KdaFwdRecur:
         # fill, the launch and the drain each time, ~2.8 µs an item at varlen n20 T8192).
         cta, _, _ = cute.arch.block_idx()
         n_ctas, _, _ = cute.arch.grid_dim()
-        n_vt = DV // BV
+        n_vt = 1 if self.pair else DV // BV  # pair: an item is both V tiles
         n_hv = mO.shape[1]
         n_items = n_vt * n_hv * mSeq.shape[0]
         dims = (n_vt, n_hv, mSeq.shape[0])
@@ -811,7 +865,7 @@ class KdaFwdRecur:
             barrier_storage=storage.bars.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, V2_WARPS),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.math_threads // 32),
             tx_count=self.tx_bytes_v2,
             defer_sync=True,
         )
@@ -854,6 +908,8 @@ class KdaFwdRecur:
             # ============ TMA warp: each stage is refilled as soon as the math warps release it
             if cutlass.const_expr(self.raw_in):
                 cute.arch.warpgroup_reg_dealloc(RAW_TMA_REGS)
+            if cutlass.const_expr(self.pair):
+                cute.arch.warpgroup_reg_dealloc(PAIR_TMA_REGS)
             for atom in (tma_w, tma_qg, tma_aqk, tma_kgt, tma_u, tma_gam):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
             if cutlass.const_expr(self.pack):
@@ -919,10 +975,18 @@ class KdaFwdRecur:
                     if cutlass.const_expr(self.t_in):
                         # vᵀ of the chunk's 64 tokens (rows past the sequence's end are the next one's
                         # tokens, or zeros past the tensor: the math warps zero them before use)
-                        gV = cute.local_tile(cute.domain_offset((0, mChunks[c, 0]), tU[None, None, hv]),
-                                             (BV, CHUNK), (vtile, None))
-                        tVs, tVg = part(tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gV, 0, 2))
-                        cute.copy(tma_u, tVg[None, 0], tVs[None, st], tma_bar_ptr=bar)
+                        if cutlass.const_expr(self.pair):  # both halves, half h into slot 2 st + h
+                            for h2 in cutlass.range_constexpr(DV // BV):
+                                gV = cute.local_tile(cute.domain_offset((0, mChunks[c, 0]), tU[None, None, hv]),
+                                                     (BV, CHUNK), (h2, None))
+                                tVs, tVg = part(tma_u, 0, one, cute.group_modes(sU, 0, 2),
+                                                cute.group_modes(gV, 0, 2))
+                                cute.copy(tma_u, tVg[None, 0], tVs[None, 2 * st + h2], tma_bar_ptr=bar)
+                        else:
+                            gV = cute.local_tile(cute.domain_offset((0, mChunks[c, 0]), tU[None, None, hv]),
+                                                 (BV, CHUNK), (vtile, None))
+                            tVs, tVg = part(tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gV, 0, 2))
+                            cute.copy(tma_u, tVg[None, 0], tVs[None, st], tma_bar_ptr=bar)
                     else:
                         cute.copy(tma_u, tUg[None, c], tUs[None, st], tma_bar_ptr=bar)
                     cute.copy(tma_gam, tGg[None, c], tGs[None, st], tma_bar_ptr=bar)
@@ -946,6 +1010,14 @@ class KdaFwdRecur:
                     self.math_v2(tidx, warp_idx, cta, n_ctas, n_items, dims, pipe, tpipe, mma_n64, mma_n128, mChunks,
                                  mSeq, mO, mH0, mHT, sW, sQG, sAqk, sKGT, sU, sU_vt, sGam, sO_w, sH, u_raw, sTp, tp_raw,
                                  aqk_raw, gam_bf16)
+            elif cutlass.const_expr(self.pair):
+                if warp_idx > PAIR_TMA_WARP:
+                    cute.arch.warpgroup_reg_dealloc(PAIR_TMA_REGS)  # the TMA warpgroup's idle warps
+                else:
+                    cute.arch.warpgroup_reg_alloc(PAIR_MATH_REGS)
+                    self.math_v2(tidx % V2_MATH_THREADS, warp_idx, cta, n_ctas, n_items, dims, pipe, tpipe, mma_n64,
+                                 mma_n128, mChunks, mSeq, mO, mH0, mHT, sW, sQG, sAqk, sKGT, sU, sU_vt, sGam, sO_w, sH,
+                                 u_raw, sTp, tp_raw, aqk_raw, gam_bf16, wg=warp_idx // V2_WARPS)
             else:
                 self.math_v2(tidx, warp_idx, cta, n_ctas, n_items, dims, pipe, tpipe, mma_n64, mma_n128, mChunks, mSeq,
                              mO, mH0, mHT, sW, sQG, sAqk, sKGT, sU, sU_vt, sGam, sO_w, sH, u_raw, sTp, tp_raw, aqk_raw,
@@ -1005,9 +1077,10 @@ class KdaFwdRecur:
     def math_v2(self, tidx, warp_idx, cta, n_ctas, n_items, dims, pipe, tpipe, mma_n64: cute.TiledMma,
                 mma_n128: cute.TiledMma, mChunks: cute.Tensor, mSeq: cute.Tensor, mO: cute.Tensor, mH0: cute.Tensor,
                 mHT: cute.Tensor, sW, sQG, sAqk, sKGT, sU, sU_vt, sGam, sO_w, sH, u_raw, sTp, tp_raw, aqk_raw,
-                gam_bf16):
+                gam_bf16, wg=0):
         """v2's math warpgroup (warps 0-3): every wgmma, the element-wise work and the o stores. raw_in: it waits for
-        the transform warpgroup's tiles (``tpipe``) as well as for the loads, and releases both."""
+        the transform warpgroup's tiles (``tpipe``) as well as for the loads, and releases both. pair: warpgroup
+        ``wg`` (``tidx`` its own thread index, 0-127) of two, the item's V half ``wg``."""
         f32, bf16 = cutlass.Float32, cutlass.BFloat16
         # ============ math warpgroup
         thr64 = mma_n64.get_slice(tidx)
@@ -1041,6 +1114,9 @@ class KdaFwdRecur:
         cN = thr64.partition_C(cute.make_identity_tensor((BV, CHUNK)))  # (v, tok)
         tOs = cute.make_tensor(sO_w, cute.make_layout((CHUNK, V2_O_ROWS), stride=(self.o_pitch, 1)))
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        owarp = warp_idx  # the warp's 16 rows of the V half
+        if cutlass.const_expr(self.pair):
+            owarp = warp_idx % V2_WARPS
         if cutlass.const_expr(self.state_smem):
             acc_s.fill(0.0)  # what the first swap parks in the buffer (never copied out)
             if cutlass.const_expr(self.has_h0):
@@ -1048,6 +1124,8 @@ class KdaFwdRecur:
         for item in cutlass.range(cta, n_items, n_ctas, unroll=1):
             vtile, hv, seq = _item_coords(item, dims)
             v0 = vtile * BV
+            if cutlass.const_expr(self.pair):
+                v0 = wg * BV
             c_first = mSeq[seq, 0]
             n_chunks = mSeq[seq, 1]
             # ---- initial state (either layout), as Sᵀ[v, k]
@@ -1060,7 +1138,7 @@ class KdaFwdRecur:
                 # only when the next item starts soon: a line asked for a long item earlier is
                 # evicted by the scratch stream before it is read (B2 T16384: stage 2 4% slower)
                 if n_chunks <= V2_H0_PREFETCH_MAX_CHUNKS and item + n_ctas < n_items:
-                    self.prefetch_next_state(mH0, item + n_ctas, dims, tidx)
+                    self.prefetch_next_state(mH0, item + n_ctas, dims, tidx, wg)
 
             # tokens of this sequence: its chunks are consecutive, [bos, seq_end)
             bos = cutlass.Int32(0)
@@ -1075,6 +1153,9 @@ class KdaFwdRecur:
                 if cutlass.const_expr(self.raw_in):
                     tpipe.consumer_wait(cons)  # (the same stages in the same order: one state for both)
                 st = cons.index
+                ust = st  # the stage's v slot
+                if cutlass.const_expr(self.pair):
+                    ust = 2 * st + wg
                 # group 1: Sᵀ wᵀ, the head of the chain through the chunk (t_in: Sᵀ(-w)ᵀ, then vᵀ T'ᵀ onto it in
                 # the same accumulator, so it is v_newᵀ itself; with pack, the copies of the packed tile masked
                 # while Sᵀ(-w)ᵀ runs); group 2: oᵀ = Sᵀ qgᵀ, off the chain, keeps the tensor pipe busy while
@@ -1087,12 +1168,15 @@ class KdaFwdRecur:
                 warpgroup.commit_group()
                 if cutlass.const_expr(self.t_in):
                     if cutlass.const_expr(self.pack):
+                        mtid = tidx  # pair: both warpgroups share the masking of the one copy
+                        if cutlass.const_expr(self.pair):
+                            mtid = tidx + wg * V2_MATH_THREADS
                         if cutlass.const_expr(self.pack_mask == "rows"):
-                            self.mask_packed_rows(aqk_raw, tp_raw, gam_bf16, st, tidx)
+                            self.mask_packed_rows(aqk_raw, tp_raw, gam_bf16, st, mtid)
                         else:
-                            self.mask_packed_words(aqk_raw, tp_raw, gam_bf16, st, tidx)
+                            self.mask_packed_words(aqk_raw, tp_raw, gam_bf16, st, mtid)
                     if cutlass.const_expr(not self.x_in):
-                        self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, st, seq_end - (bos + ci * CHUNK), tidx)
+                        self.issue_vt(acc_vt, rA_v, rB_tp, u_raw, ust, seq_end - (bos + ci * CHUNK), tidx)
                 # x_in: group 2's first half only (its second follows Yᵀ T'ᵀ, so neither half delays the chain's
                 # next product by more than the element-wise work it hides under)
                 n_qg = cute.size(rS, mode=[2]) // 2 if cutlass.const_expr(self.x_in) else cute.size(rS, mode=[2])
@@ -1104,11 +1188,11 @@ class KdaFwdRecur:
                 # while they run: the previous chunk's o (from its bf16 copy: registers a wgmma wrote
                 # in the previous iteration make ptxas wait for the groups in flight), and u
                 if ci > 0:
-                    self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, warp_idx, tidx, bos, seq_end, ci - 1)
+                    self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, owarp, tidx, bos, seq_end, ci - 1)
                 if cutlass.const_expr(not self.t_in):
                     cute.copy(u_copy, thr64.partition_C(sU_vt[None, None, st]), rU)
                 if cutlass.const_expr(self.x_in):  # vᵀ (rows past the end zeroed)
-                    self.v_fragment(rU, thr64, sU, u_raw, st, seq_end - (bos + ci * CHUNK), tidx)
+                    self.v_fragment(rU, thr64, sU, u_raw, ust, seq_end - (bos + ci * CHUNK), tidx, wg)
                 warpgroup.wait_group(1)  # group 1 done
 
                 # v_newᵀ and Sᵀ diag(γ) (after the wait for the same reason as o)
@@ -1154,7 +1238,7 @@ class KdaFwdRecur:
                 rO.store(acc_ot.load().to(mO.element_type))
 
             if n_chunks > 0:
-                self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, warp_idx, tidx, bos, seq_end, n_chunks - 1)
+                self.store_o_v2(rO, cN, tOs, sO_w, mO, hv, v0, owarp, tidx, bos, seq_end, n_chunks - 1)
 
             if cutlass.const_expr(self.store_ht and not self.state_smem):
                 self.store_state(acc_s, cS, mHT, seq, hv, v0)
@@ -1236,11 +1320,13 @@ class KdaFwdRecur:
                 self.state_in_async(mH0, sH, item + n_ctas, dims, tidx)
 
     @cute.jit
-    def prefetch_next_state(self, mH0: cute.Tensor, nxt, dims, tidx):
+    def prefetch_next_state(self, mH0: cute.Tensor, nxt, dims, tidx, wg=0):
         """Ask L2 for item ``nxt``'s state tile (this CTA's next item): its V tile of the head's
         [128, 128] fp32 state, 256 lines of 128 bytes, 2 per thread. K-first: row k = tidx, its 256
         bytes of the tile's 64 values; V-first: 32 KB in one piece."""
         head, v0 = _item_tile(nxt, dims)
+        if cutlass.const_expr(self.pair):
+            v0 = wg * BV
         per_line = LINE_BYTES // 4
         if cutlass.const_expr(self.v_first):  # rows v0 .. v0+63 are one contiguous 32 KB piece
             first = head * (DK * DV) + v0 * DK + tidx * (2 * per_line)
@@ -1300,12 +1386,12 @@ class KdaFwdRecur:
         warpgroup.commit_group()
 
     @cute.jit
-    def v_fragment(self, rV16, thr64, sU: cute.Tensor, u_raw: cute.Pointer, st, nvalid, tidx):
+    def v_fragment(self, rV16, thr64, sU: cute.Tensor, u_raw: cute.Pointer, st, nvalid, tidx, wg=0):
         """x_in: ``rV16`` (bf16, the v_newᵀ accumulator's layout) = vᵀ of the chunk in stage ``st``, from the
         (v, token) tile. A partial chunk's rows past the sequence's end are zeroed first, as :meth:`zero_v_rows`
         says why."""
         if nvalid < CHUNK:
-            self.zero_v_rows(u_raw, st, nvalid, tidx)
+            self.zero_v_rows(u_raw, st, nvalid, tidx, wg)
         u_copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16)
         cute.copy(u_copy, thr64.partition_C(sU[None, None, st]), rV16)
 
@@ -1322,8 +1408,8 @@ class KdaFwdRecur:
         zero = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
         zero.fill(0.0)
         gam32 = cute.recast_ptr(gam_bf16, dtype=i32)
-        for m in cutlass.range_constexpr(CHUNK * 8 // V2_MATH_THREADS):
-            q = tidx + V2_MATH_THREADS * m
+        for m in cutlass.range_constexpr(CHUNK * 8 // self.math_threads):
+            q = tidx + self.math_threads * m
             r = q // 8
             p = q % 8
             off = packed_piece_offset(st, r, p)
@@ -1345,7 +1431,7 @@ class KdaFwdRecur:
                     wa[0] = wa[0] & keep_a
                     wt[0] = (wt[0] & ~keep_a) | (tail & half) * i32(col == r - r % 2)  # T': c > r, and β_r
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-        cute.arch.barrier(barrier_id=PACK_BARRIER, number_of_threads=V2_MATH_THREADS)
+        cute.arch.barrier(barrier_id=PACK_BARRIER, number_of_threads=self.math_threads)
 
     @cute.jit
     def mask_packed_rows(self, aqk_raw: cute.Pointer, tp_raw: cute.Pointer, gam_bf16: cute.Pointer, st, tidx):
@@ -1362,8 +1448,8 @@ class KdaFwdRecur:
         i32 = cutlass.Int32
         zero = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
         zero.fill(0.0)
-        for m in cutlass.range_constexpr(CHUNK * 8 // V2_MATH_THREADS):
-            q = tidx + V2_MATH_THREADS * m
+        for m in cutlass.range_constexpr(CHUNK * 8 // self.math_threads):
+            q = tidx + self.math_threads * m
             r = q // 8
             p = q % 8
             off = packed_piece_offset(st, r, p)
@@ -1393,10 +1479,10 @@ class KdaFwdRecur:
             cute.make_tensor(cute.recast_ptr(tp_raw, dtype=i32) + cute.assume(off2, divby=4),
                              cute.make_layout(4)).store(t_words.load())
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-        cute.arch.barrier(barrier_id=PACK_BARRIER, number_of_threads=V2_MATH_THREADS)
+        cute.arch.barrier(barrier_id=PACK_BARRIER, number_of_threads=self.math_threads)
 
     @cute.jit
-    def zero_v_rows(self, u_raw: cute.Pointer, st, nvalid, tidx):
+    def zero_v_rows(self, u_raw: cute.Pointer, st, nvalid, tidx, wg=0):
         """t_in: zero the token rows >= nvalid of stage ``st``'s vᵀ tile (``u_raw``: its unswizzled start)
         before the wgmma reads it. A token's 64 values are one 128-byte row of the tile, permuted inside the
         row by the swizzle (layout_facts), so whole rows are zeroed as 8 16-byte pieces, swizzle or not."""
@@ -1409,7 +1495,11 @@ class KdaFwdRecur:
                 cute.make_tensor(u_raw + cute.assume(off, divby=8), cute.make_layout(8)).store(zero.load())
         # generic-proxy writes, read next by wgmma (the async proxy), by every math warp
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-        cute.arch.barrier(barrier_id=V_ZERO_BARRIER, number_of_threads=V2_MATH_THREADS)
+        if cutlass.const_expr(self.pair):  # (each warpgroup zeroes only its own half's slot)
+            cute.arch.barrier(barrier_id=V_ZERO_BARRIER + (V_ZERO_BARRIER_WG1 - V_ZERO_BARRIER) * wg,
+                              number_of_threads=V2_MATH_THREADS)
+        else:
+            cute.arch.barrier(barrier_id=V_ZERO_BARRIER, number_of_threads=V2_MATH_THREADS)
 
     @cute.jit
     def store_o_v2(self, rO, cN, tOs, sO_w, mO, hv, v0, warp, tidx, bos, seq_end, ci):
@@ -1538,6 +1628,16 @@ def compile_targets():
     targets["v2_t_in_pack_x_rows"] = build(**full, variant="v2", t_in=True, pack=True, x_in=True,
                                            pack_mask="rows")  # CULA_KDA_PACK_MASK=rows
     targets["v2_t_in_x"] = build(**full, variant="v2", t_in=True, x_in=True)
+    # pair (PAIR_ENV): both V halves in one CTA, packed and unpacked, each state option, V-first
+    targets["v2_t_in_pack_x_pair"] = build(**full, variant="v2", t_in=True, pack=True, x_in=True, pair=True)
+    targets["v2_t_in_x_pair"] = build(**full, variant="v2", t_in=True, x_in=True, pair=True)
+    none = dict(has_initial_state=False, output_final_state=False, state_v_first=False)
+    targets["v2_t_in_pack_x_pair_no_state"] = build(**none, variant="v2", t_in=True, pack=True, x_in=True, pair=True)
+    for only, st in (("h0", dict(output_final_state=False)), ("ht", dict(has_initial_state=False))):
+        targets[f"v2_t_in_pack_x_pair_{only}_only"] = build(**{**full, **st}, variant="v2", t_in=True, pack=True,
+                                                           x_in=True, pair=True)
+    targets["v2_t_in_x_pair_v_first"] = build(**{**full, "state_v_first": True}, variant="v2", t_in=True, x_in=True,
+                                              pair=True)
     targets["v2_t_in_x_state_smem"] = build(**full, variant="v2", state_smem=True, t_in=True, x_in=True)
 
     # raw tiles (kda_fwd_raw_tiles): packed and unpacked, each gate form on the packed default
