@@ -16,19 +16,13 @@ from typing import Callable
 
 import torch
 
+from cula.bench.timing import event_ms
+
 
 def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
+    times = sorted(event_ms(fn) for _ in range(reps))
     return times[len(times) // 2]
 
 

@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from cula.bench.timing import event_ms
+
 HBM_BYTES_PER_S = 4.3e12  # the project's roofline bandwidth (H200)
 
 
@@ -263,12 +265,7 @@ def time_interleaved(fns: dict, reps: int, flush: Flusher, graph: bool) -> dict:
             if run is None:
                 continue
             flush()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run()
-            b.record()
-            b.synchronize()
-            times[name].append(a.elapsed_time(b))
+            times[name].append(event_ms(run))
     return {name: (statistics.median(t) if t else math.nan) for name, t in times.items()}
 
 
