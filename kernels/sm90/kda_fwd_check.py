@@ -178,9 +178,10 @@ SPLIT_WORST = (("uniform", 20, 4096, 64), ("random", 20, 4096, 64), ("skewed", 2
 #: fixed rows whose stage 2 reads the packed tile (more than PACK_ABOVE_CHUNKS chunks a sequence), longest first
 #: (device_round s42_mask: the packed mask's A/B)
 SPLIT_PACKED = ((2, 16384, 64), (1, 16384, 64), (1, 4096, 64))
-#: stage 2 as pairs (kda_fwd_recur.PAIR_ENV; device_round s43_pair): B2 T16384 and a long varlen batch (V halves
-#: outnumber the SMs: "auto" takes pairs), B2 T4096, and B1 T16384, where pairs leave half the SMs idle
-SPLIT_PAIR = ((2, 16384, 64), ("uniform", 10, 16384, 64), (2, 4096, 64), (1, 16384, 64))
+#: stage 2 as pairs (kda_fwd_recur.PAIR_ENV; device_round s43_pair): B2 T16384 and long varlen batches (V halves
+#: outnumber the SMs: "auto" takes pairs; skewed: one long sequence sets the time), B2 T4096, and B1 T16384, where
+#: pairs leave half the SMs idle
+SPLIT_PAIR = ((2, 16384, 64), ("uniform", 10, 16384, 64), ("skewed", 10, 16384, 64), (2, 4096, 64), (1, 16384, 64))
 #: the suite's shortest fixed rows, where the launch gap and stage 2's start are a visible share
 SPLIT_SMALL = ((1, 512, 64), (2, 512, 64), (1, 1024, 64), (2, 1024, 64))
 #: where stage 2's programmatic launch could help (short rows) or cost (long rows): both ends
