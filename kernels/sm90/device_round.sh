@@ -38,6 +38,9 @@ expand s41first "s41_l2 train s41 train_suite" "s41_l2 kda_suite kda_layer_suite
 expand s42 "ncu_recur" "s41_l2 kda_suite kda_layer_suite ncu_recur"
 # "s38": session 38's queue in one call (~260 s warm): the clock's GPU tests, then s38_raw and s38_clock
 expand s38 "s38_clock_test s38_raw s38_clock"
+# "s43": session 43's call: the pair GPU tests and split A/B/A, then the kda suite with pairs on "auto" (the default
+# since session 43; kda_suite runs only if the tests passed)
+expand s43 "s43_pair kda_suite"
 start=$SECONDS
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 t=$2; shift 2
@@ -163,10 +166,10 @@ for s in $steps; do
         # warpgroup each, the stage's tiles shared): bitwise the split launch (GPU tests), then the pair split rows
         # A/B/A (AOT nossm_* / pair_*)
         step s43_pair_tests 240 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
-            -k "pair_equals_split" || continue
-        step s43_split_a 100 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair
+            -k "pair_equals_split" || { echo "== pair GPU tests failed: the later steps are skipped"; break; }
+        step s43_split_a 100 env CULA_KDA_RECUR_PAIR=0 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair
         step s43_split_pair 100 env CULA_KDA_RECUR_PAIR=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair
-        step s43_split_b 100 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair ;;
+        step s43_split_b 100 env CULA_KDA_RECUR_PAIR=0 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair ;;
     ncu_recur)  # session 42: stage 2 (v2) at B2 T16384 under ncu (one launch, full set): is its ~2 us chunk step its chain
         # (one math warpgroup: tensor pipe mostly idle, warps waiting on wgmma / barriers) or memory?
         step ncu_recur 240 ncu --clock-control none -k regex:recur --launch-count 1 --set full \

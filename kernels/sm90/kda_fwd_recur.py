@@ -131,7 +131,7 @@ def packed_piece_offset(st, r, p):
     tile: the 128-byte swizzle puts it at 16-byte column p ^ (r % 8) (layout_facts' pack_mask_offset_mismatches)."""
     return st * (CHUNK * CHUNK) + r * CHUNK + (p ^ (r % 8)) * 8
 
-# "pair" (session 43, opt-in ``CULA_KDA_RECUR_PAIR=1``): one CTA per (head, sequence) item with two math warpgroups,
+# "pair" (session 43; ``CULA_KDA_RECUR_PAIR`` "auto", the default, "1" or "0"): one CTA per (head, sequence) item with two math warpgroups,
 # warpgroup w taking the state's V half w, both reading one copy of the stage's w (-X), qg, [Aqk | T'], kgᵀ and γ
 # (only v differs: both halves land, one slot each). A stage-2 chunk step costs a CTA ~2 µs whatever its inputs'
 # place (session 42's L2 premise), so stage 2 is bound by one warpgroup's chain per SM; two chains per SM interleave
@@ -146,7 +146,7 @@ def packed_piece_offset(st, r, p):
 # pair is never combined with state_smem. The values are the split launch's bitwise: each warpgroup runs the same
 # instructions on the same operands as the CTA of its V half would.
 PAIR_MODES = ("0", "1", "auto")
-PAIR_ENV = __import__("os").environ.get("CULA_KDA_RECUR_PAIR", "0")
+PAIR_ENV = __import__("os").environ.get("CULA_KDA_RECUR_PAIR", "auto")
 PAIR_MATH_THREADS = 2 * V2_MATH_THREADS
 PAIR_TMA_WARP = 8
 PAIR_BLOCK = 3 * 128
@@ -178,7 +178,7 @@ GAM_PITCH_PACK = DK + CHUNK // 2
 
 def use_pair(num_seqs: int, num_heads_v: int, sms: int) -> bool:
     """Whether ``kda_fwd`` runs stage 2 as pairs (both V halves of an item in one CTA; ``CULA_KDA_RECUR_PAIR``):
-    "1" always, "auto" where the V halves (2 x heads x sequences) outnumber the SMs, "0" (the default) never."""
+    "auto" (the default) where the V halves (2 x heads x sequences) outnumber the SMs, "1" always, "0" never."""
     if PAIR_ENV not in PAIR_MODES:
         raise ValueError(f"CULA_KDA_RECUR_PAIR: expected one of {PAIR_MODES}, got {PAIR_ENV!r}")
     if PAIR_ENV == "auto":
