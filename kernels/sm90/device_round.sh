@@ -170,6 +170,14 @@ for s in $steps; do
         step s43_split_a 100 env CULA_KDA_RECUR_PAIR=0 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair
         step s43_split_pair 100 env CULA_KDA_RECUR_PAIR=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair
         step s43_split_b 100 env CULA_KDA_RECUR_PAIR=0 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair ;;
+    s43_lean)  # session 43, with little device time left: four cases of the pair GPU tests, then --split pair_lean (B2
+        # T16384, skewed n10 T16384) with pairs off and on
+        step s43_lean_tests 150 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "pair_equals_split and (T1000 or big-varlen or varlen-zero or short-zero)" || break
+        for p in 0 1; do
+            step s43_lean_$p 70 env CULA_KDA_RECUR_PAIR=$p python3 -u -m cula.kernels.sm90.kda_fwd --check \
+                --split pair_lean
+        done ;;
     ncu_recur)  # session 42: stage 2 (v2) at B2 T16384 under ncu (one launch, full set): is its ~2 us chunk step its chain
         # (one math warpgroup: tensor pipe mostly idle, warps waiting on wgmma / barriers) or memory?
         step ncu_recur 240 ncu --clock-control none -k regex:recur --launch-count 1 --set full \

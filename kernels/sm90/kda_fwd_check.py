@@ -182,6 +182,8 @@ SPLIT_PACKED = ((2, 16384, 64), (1, 16384, 64), (1, 4096, 64))
 #: outnumber the SMs: "auto" takes pairs; skewed: one long sequence sets the time), B2 T4096, and B1 T16384, where
 #: pairs leave half the SMs idle
 SPLIT_PAIR = ((2, 16384, 64), ("uniform", 10, 16384, 64), ("skewed", 10, 16384, 64), (2, 4096, 64), (1, 16384, 64))
+#: ...its first and third rows alone (a short device call)
+SPLIT_PAIR_LEAN = SPLIT_PAIR[0::2][:2]
 #: the suite's shortest fixed rows, where the launch gap and stage 2's start are a visible share
 SPLIT_SMALL = ((1, 512, 64), (2, 512, 64), (1, 1024, 64), (2, 1024, 64))
 #: where stage 2's programmatic launch could help (short rows) or cost (long rows): both ends
@@ -272,12 +274,12 @@ def main(argv: list[str]) -> int:
 
         kf.INTRA_TC = False
         print("stage 1: SIMT only", flush=True)
-    if "--split" in argv:  # --split [varlen | all | worst | small | pdl | l2 | items | packed | pair] [--no-h0|--no-ht]
+    if "--split" in argv:  # --split [varlen | all | worst | small | pdl | l2 | items | packed | pair[_lean]] [--no-h0|--no-ht]
         nxt = argv[argv.index("--split") + 1] if argv.index("--split") + 1 < len(argv) else ""
         sets = {"varlen": SPLIT_VARLEN, "all": SPLIT_FIXED + SPLIT_VARLEN, "worst": SPLIT_WORST,
                 "small": SPLIT_SMALL, "pdl": SPLIT_PDL, "l2": SPLIT_L2,
                 "items": SPLIT_ITEMS, "packed": SPLIT_PACKED,
-                "pair": SPLIT_PAIR}
+                "pair": SPLIT_PAIR, "pair_lean": SPLIT_PAIR_LEAN}
         split(dev, sets.get(nxt, SPLIT_FIXED), initial="--no-h0" not in argv, final="--no-ht" not in argv)
         return 0
     cases = CASES[:3] if "--quick" in argv else CASES
