@@ -131,22 +131,22 @@ def packed_piece_offset(st, r, p):
     tile: the 128-byte swizzle puts it at 16-byte column p ^ (r % 8) (layout_facts' pack_mask_offset_mismatches)."""
     return st * (CHUNK * CHUNK) + r * CHUNK + (p ^ (r % 8)) * 8
 
-# "pair" (session 43; ``CULA_KDA_RECUR_PAIR`` "auto", the default, "1" or "0"): one CTA per (head, sequence) item with two math warpgroups,
-# warpgroup w taking the state's V half w, both reading one copy of the stage's w (-X), qg, [Aqk | T'], kgᵀ and γ
-# (only v differs: both halves land, one slot each). A stage-2 chunk step costs a CTA ~2 µs whatever its inputs'
-# place (session 42's L2 premise), so stage 2 is bound by one warpgroup's chain per SM; two chains per SM interleave
-# their issue and their tensor work, and the shared tiles halve the bytes from L2 into the SM. Items halve too, so
-# a grid of fewer items than SMs (B1 H64: 64 pairs) would leave SMs idle: kda_fwd takes it only where V halves
-# outnumber SMs. 2 x 128 math threads + the TMA warp (warp 8): Hopper allocates registers by warpgroup, so the
-# launch is 384 threads' worth at 168 a thread (as raw_in's); setmaxnreg gives the math warpgroups 232 and leaves the
-# TMA warpgroup 40 (2 x 232 + 40 = 3 x 168). With the word mask (PACK_MASK's default) every state option fits
-# without spills; the rows mask does not (12-32 bytes spilled at 232 / 40 or at 240 / 24, depending on the state
-# options), so pair takes the word mask only.
-# Two stages (80.7 KB each: v's two halves) and eight warps' o staging fit 227 KB; the state buffer does not, so
-# pair is never combined with state_smem. The values are the split launch's bitwise: each warpgroup runs the same
-# instructions on the same operands as the CTA of its V half would.
+# "pair" (session 43; CULA_KDA_RECUR_PAIR: "0", the default until it has run on a GPU, "1" or "auto"): one CTA per
+# (head, sequence) item with two math warpgroups, warpgroup w taking the state's V half w, both reading one copy of
+# the stage's -X, qg, [Aqk | T'], kgᵀ and γ (only v differs: both halves land, one slot each). A stage-2 chunk step
+# costs a CTA ~2 µs wherever its inputs are (session 42's L2 premise), so stage 2 is bound by one warpgroup's chain
+# per SM; two chains per SM interleave their issue and their tensor work, and the shared tiles halve the bytes from
+# L2 into the SM. Items halve too, so a grid of fewer items than SMs (B1 H64: 64 pairs) would leave SMs idle: "auto"
+# takes pairs only where the V halves outnumber the SMs. 2 x 128 math threads + the TMA warp (warp 8): Hopper
+# allocates registers by warpgroup, so the launch is 384 threads' worth at 168 a thread (as raw_in's); setmaxnreg
+# gives the math warpgroups 232 and leaves the TMA warpgroup 40 (2 x 232 + 40 = 3 x 168). With the word mask
+# (PACK_MASK's default) every state option fits without spills; the rows mask does not (12-32 bytes spilled at
+# 232 / 40 or at 240 / 24, depending on the state options), so pair takes the word mask only. Two stages (80.7 KB
+# each: v's two halves) and eight warps' o staging fit 227 KB; the state buffer does not, so pair is never combined
+# with state_smem. The values are the split launch's bitwise: each warpgroup runs the same instructions on the same
+# operands as the CTA of its V half would.
 PAIR_MODES = ("0", "1", "auto")
-PAIR_ENV = __import__("os").environ.get("CULA_KDA_RECUR_PAIR", "auto")
+PAIR_ENV = __import__("os").environ.get("CULA_KDA_RECUR_PAIR", "0")
 PAIR_MATH_THREADS = 2 * V2_MATH_THREADS
 PAIR_TMA_WARP = 8
 PAIR_BLOCK = 3 * 128
@@ -178,7 +178,7 @@ GAM_PITCH_PACK = DK + CHUNK // 2
 
 def use_pair(num_seqs: int, num_heads_v: int, sms: int) -> bool:
     """Whether ``kda_fwd`` runs stage 2 as pairs (both V halves of an item in one CTA; ``CULA_KDA_RECUR_PAIR``):
-    "auto" (the default) where the V halves (2 x heads x sequences) outnumber the SMs, "1" always, "0" never."""
+    "auto" where the V halves (2 x heads x sequences) outnumber the SMs, "1" always, "0" (the default) never."""
     if PAIR_ENV not in PAIR_MODES:
         raise ValueError(f"CULA_KDA_RECUR_PAIR: expected one of {PAIR_MODES}, got {PAIR_ENV!r}")
     if PAIR_ENV == "auto":
