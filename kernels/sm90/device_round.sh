@@ -38,9 +38,9 @@ expand s41first "s41_l2 train s41 train_suite" "s41_l2 kda_suite kda_layer_suite
 expand s42 "ncu_recur" "s41_l2 kda_suite kda_layer_suite ncu_recur"
 # "s38": session 38's queue in one call (~260 s warm): the clock's GPU tests, then s38_raw and s38_clock
 expand s38 "s38_clock_test s38_raw s38_clock"
-# "s43": session 43's call: the pair GPU tests and split A/B/A, then the kda suite with pairs on "auto" (the default
-# since session 43; kda_suite runs only if the tests passed)
-expand s43 "s43_pair kda_suite"
+# "s43": session 43's queue (no device call ran then): the pair GPU tests and --split pair A/B/A (pairs stay opt-in,
+# CULA_KDA_RECUR_PAIR=0, until they pass and win), then s42_mask (the steps after s43_pair run only if its tests pass)
+expand s43 "s43_pair s42_mask"
 start=$SECONDS
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 t=$2; shift 2
