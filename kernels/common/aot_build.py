@@ -98,10 +98,8 @@ SCENARIOS = {
     # device_round s43_pair: stage 2 as pairs (recur.PAIR_ENV "1") and the split launch it must equal bitwise, the
     # state buffer off in both (the GPU test's calls), unpacked and packed; the split rows with pairs and the suites
     # with "auto"
-    **{f"{n}_{m}_checks": ("tc", {"recur.PAIR_ENV": pe, "recur.STATE_SMEM_ENV": "0", "PACK": pk,
-                                  "recur.PACK_MASK": mk})
-       for n, pe in (("nossm", "0"), ("pair", "1"))
-       for m, pk, mk in (("unpacked", "0", "words"), ("packed", "1", "words"))},
+    **{f"{n}_{m}_checks": ("tc", {"recur.PAIR_ENV": pe, "recur.STATE_SMEM_ENV": "0", "PACK": pk})
+       for n, pe in (("nossm", "0"), ("pair", "1")) for m, pk in (("unpacked", "0"), ("packed", "1"))},
     "pair_split": ("split", {"recur.PAIR_ENV": "1"}),
     "pair_auto_suites": ("suites", {"recur.PAIR_ENV": "auto"}),
     # device_round pack_premise: stage 1 without T''s store, stage 2 reading ~8 KB of [Aqk | T'] a chunk instead of

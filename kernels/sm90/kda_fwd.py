@@ -692,7 +692,7 @@ def kda_fwd(
                               "(timing only)", stacklevel=2)
                 rflags.update(diag=recur.RECUR_DIAG)
         ssm = variant == "v2" and recur.use_state_smem(N, NC, h_in is not None or h_out is not None)
-        if (x_split and not raw and not ssm and variant == "v2" and not (pack and recur.PACK_MASK != "words")
+        if (recur.pair_refusal(x_split, raw, pack, recur.PACK_MASK, ssm) is None
                 and recur.use_pair(N, HV, sm_count(dev))):
             rflags.update(pair=True)  # (only set: the other keys stay as before)
         if raw:

@@ -182,8 +182,8 @@ SPLIT_PACKED = ((2, 16384, 64), (1, 16384, 64), (1, 4096, 64))
 #: outnumber the SMs: "auto" takes pairs; skewed: one long sequence sets the time), B2 T4096, and B1 T16384, where
 #: pairs leave half the SMs idle
 SPLIT_PAIR = ((2, 16384, 64), ("uniform", 10, 16384, 64), ("skewed", 10, 16384, 64), (2, 4096, 64), (1, 16384, 64))
-#: ...its first and third rows alone (a short device call)
-SPLIT_PAIR_LEAN = SPLIT_PAIR[0::2][:2]
+#: ...its B2 T16384 and skewed rows alone (a short device call)
+SPLIT_PAIR_LEAN = (SPLIT_PAIR[0], SPLIT_PAIR[2])
 #: the suite's shortest fixed rows, where the launch gap and stage 2's start are a visible share
 SPLIT_SMALL = ((1, 512, 64), (2, 512, 64), (1, 1024, 64), (2, 1024, 64))
 #: where stage 2's programmatic launch could help (short rows) or cost (long rows): both ends

@@ -186,6 +186,20 @@ def use_pair(num_seqs: int, num_heads_v: int, sms: int) -> bool:
     return PAIR_ENV == "1"
 
 
+def pair_refusal(x_in: bool, raw_in: bool, pack: bool, pack_mask: str, state_smem: bool) -> str | None:
+    """Why stage 2 cannot run as pairs with these build options (the constructor raises it; ``kda_fwd`` then keeps
+    the split launch), or None."""
+    if not x_in:
+        return "needs x_in (w in stage 2), got x_in=False"
+    if raw_in:
+        return "not with raw_in (its transform warpgroup), got raw_in=True"
+    if pack and pack_mask != "words":
+        return f"the packed tile with the word mask only (the rows mask spills there), got pack_mask={pack_mask!r}"
+    if state_smem:
+        return "the state buffer does not fit beside two V halves' stages, got state_smem=True"
+    return None
+
+
 def use_state_smem(num_seqs: int, num_chunks: int, has_state: bool) -> bool:
     """Whether ``kda_fwd`` moves stage 2's state through shared memory: short sequences (on average at most
     ``STATE_SMEM_MAX_CHUNKS`` chunks) with an initial or a final state, unless the environment says."""
@@ -289,16 +303,9 @@ class KdaFwdRecur:
             raise ValueError(f"gate: expected one of {RAW_GATES}, got {gate!r}")
         self.raw_in, self.gate = raw_in, gate
         # pair (PAIR_ENV): both V halves of a (head, sequence) item in one CTA, one math warpgroup each
-        if pair and not x_in:
-            raise ValueError("pair (CULA_KDA_RECUR_PAIR): needs x_in (w in stage 2), got x_in=False")
-        if pair and raw_in:
-            raise ValueError("pair (CULA_KDA_RECUR_PAIR): not with raw_in (its transform warpgroup), got raw_in=True")
-        if pair and pack and pack_mask != "words":
-            raise ValueError(f"pair (CULA_KDA_RECUR_PAIR): the packed tile with the word mask only (the rows mask "
-                             f"spills there), got pack_mask={pack_mask!r}")
-        if pair and self.state_smem:
-            raise ValueError("pair (CULA_KDA_RECUR_PAIR): the state buffer does not fit beside two V halves' stages, "
-                             "got state_smem=True")
+        refusal = pair_refusal(x_in, raw_in, pack, pack_mask, self.state_smem) if pair else None
+        if refusal:
+            raise ValueError(f"pair (CULA_KDA_RECUR_PAIR): {refusal}")
         self.pair = pair
         if pair:
             self.stages = PAIR_STAGES
@@ -307,6 +314,8 @@ class KdaFwdRecur:
         self.raw_tiles = RawTiles(gate, swizzled=True) if raw_in else None
         self.threads_v2 = RAW_BLOCK if raw_in else (PAIR_BLOCK if pair else V2_THREADS)
         self.tma_warp = RAW_TMA_WARP if raw_in else (PAIR_TMA_WARP if pair else V2_TMA_WARP)
+        # the TMA warpgroup's registers after setmaxnreg (None: a 160-thread block, no setmaxnreg)
+        self.tma_regs = RAW_TMA_REGS if raw_in else (PAIR_TMA_REGS if pair else None)
         self.gam_pitch = GAM_PITCH_PACK if pack else DK
         self.o_pitch = V2_O_PITCH_COMPACT if t_in else V2_O_PITCH
         self.aqk_cols = 2 * CHUNK if t_in and not pack else CHUNK  # a chunk's Aqk (| T') box
@@ -906,10 +915,8 @@ class KdaFwdRecur:
 
         if warp_idx == self.tma_warp:
             # ============ TMA warp: each stage is refilled as soon as the math warps release it
-            if cutlass.const_expr(self.raw_in):
-                cute.arch.warpgroup_reg_dealloc(RAW_TMA_REGS)
-            if cutlass.const_expr(self.pair):
-                cute.arch.warpgroup_reg_dealloc(PAIR_TMA_REGS)
+            if cutlass.const_expr(self.tma_regs is not None):
+                cute.arch.warpgroup_reg_dealloc(self.tma_regs)
             for atom in (tma_w, tma_qg, tma_aqk, tma_kgt, tma_u, tma_gam):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
             if cutlass.const_expr(self.pack):
@@ -999,8 +1006,8 @@ class KdaFwdRecur:
                     prod.advance()
         else:
             if cutlass.const_expr(self.raw_in):
-                if warp_idx > RAW_TMA_WARP:
-                    cute.arch.warpgroup_reg_dealloc(RAW_TMA_REGS)  # the TMA warpgroup's idle warps
+                if warp_idx > self.tma_warp:
+                    cute.arch.warpgroup_reg_dealloc(self.tma_regs)  # the TMA warpgroup's idle warps
                 elif warp_idx >= V2_WARPS:
                     cute.arch.warpgroup_reg_alloc(RAW_TRANSFORM_REGS)  # (above the launch's 168: an increase)
                     self.transform_v2(tidx - RAW_FIRST_THREAD, cta, n_ctas, n_items, dims, pipe, tpipe, mChunks, mSeq,
@@ -1011,8 +1018,8 @@ class KdaFwdRecur:
                                  mSeq, mO, mH0, mHT, sW, sQG, sAqk, sKGT, sU, sU_vt, sGam, sO_w, sH, u_raw, sTp, tp_raw,
                                  aqk_raw, gam_bf16)
             elif cutlass.const_expr(self.pair):
-                if warp_idx > PAIR_TMA_WARP:
-                    cute.arch.warpgroup_reg_dealloc(PAIR_TMA_REGS)  # the TMA warpgroup's idle warps
+                if warp_idx > self.tma_warp:
+                    cute.arch.warpgroup_reg_dealloc(self.tma_regs)  # the TMA warpgroup's idle warps
                 else:
                     cute.arch.warpgroup_reg_alloc(PAIR_MATH_REGS)
                     self.math_v2(tidx % V2_MATH_THREADS, warp_idx, cta, n_ctas, n_items, dims, pipe, tpipe, mma_n64,
