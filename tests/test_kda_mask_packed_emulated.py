@@ -201,12 +201,17 @@ def test_a_planted_bug_fails():
     assert not np.array_equal(aqk[0], np.where(c <= r, p[0], 0))
 
 
-def test_pack_mask_is_validated_and_opt_in():
-    """CULA_KDA_PACK_MASK names one of PACK_MASKS; the default stays the GPU-tested "words"."""
-    assert recur.PACK_MASKS[0] == "words"
+def test_pack_mask_is_validated_and_defaults():
+    """CULA_KDA_PACK_MASK names one of PACK_MASKS; the split launch's default is "rows" (GPU-tested and faster since
+    session 44), the 384-thread launches (pair, raw_in) take the word mask unless told otherwise."""
+    assert recur.PACK_MASKS[0] == "rows" and recur.WIDE_PACK_MASK == "words"
     with pytest.raises(ValueError, match="CULA_KDA_PACK_MASK"):
         recur.KdaFwdRecur(True, True, False, variant="v2", t_in=True, pack=True, pack_mask="bogus")
-    assert recur.KdaFwdRecur(True, True, False, variant="v2", t_in=True, pack=True, pack_mask="rows").pack_mask == "rows"
+    flags = dict(variant="v2", t_in=True, pack=True)
+    assert recur.KdaFwdRecur(True, True, False, **flags, pack_mask="words").pack_mask == "words"
+    assert recur.KdaFwdRecur(True, True, False, **flags, pack_mask=None).pack_mask == recur.PACK_MASK
+    assert recur.KdaFwdRecur(True, True, False, **flags, x_in=True, pair=True).pack_mask == "words"
+    assert recur.KdaFwdRecurRaw(True, True, False, pack=True).pack_mask == "words"
 
 
 def test_ptx_rows_mask():
@@ -215,7 +220,7 @@ def test_ptx_rows_mask():
     writes, where the word mask's four unrolled diagonal pieces a thread take 8 of each (and 4 scalar reads of β)."""
     from cula.kernels.common.ptx_check import ptx_reports
 
-    names = ["recur_v2_t_in_pack_x", "recur_v2_t_in_pack_x_rows"]
+    names = ["recur_v2_t_in_pack_x_words", "recur_v2_t_in_pack_x"]
     r = ptx_reports("cula.kernels.sm90.kda_fwd", names)
     words, rows = (r[n] for n in names)
     for rep in (words, rows):

@@ -399,11 +399,16 @@ def test_recur_pair_launch_keys(monkeypatch):
     monkeypatch.setattr(kr, "PAIR_ENV", "1")
     assert [k.get("pair") for k in recur_keys(2, 1000, True)] == [True]
     assert [k.get("pair") for k in recur_keys(2, 1000, False)] == [True]
-    monkeypatch.setattr(kr, "PACK_MASK", "rows")  # packed (B2 T5000: 79 chunks a sequence) with the rows mask: no pair
-    assert [k.get("pair") for k in recur_keys(2, 5000, True)] == [None]
+    # packed (B2 T5000: 79 chunks a sequence): pair takes the word mask whatever PACK_MASK says, the split launch
+    # PACK_MASK's (rows by default)
+    for mask in kr.PACK_MASKS:
+        monkeypatch.setattr(kr, "PACK_MASK", mask)
+        assert [(k.get("pair"), k.get("pack_mask")) for k in recur_keys(2, 5000, True)] == [(True, "words")]
     assert [k.get("pair") for k in recur_keys(2, 300, False)] == [True]  # (unpacked: no mask; no state: no buffer)
-    monkeypatch.setattr(kr, "PACK_MASK", "words")
-    assert [k.get("pair") for k in recur_keys(2, 5000, True)] == [True]
+    monkeypatch.setattr(kr, "PAIR_ENV", "0")
+    monkeypatch.setattr(kr, "PACK_MASK", "rows")
+    assert [k.get("pack_mask") for k in recur_keys(2, 5000, True)] == ["rows"]
+    monkeypatch.setattr(kr, "PAIR_ENV", "1")
     monkeypatch.setattr(kr, "STATE_SMEM_ENV", "1")  # the state buffer wins: no pair
     assert [k.get("pair") for k in recur_keys(2, 1000, True)] == [None]
 
@@ -971,14 +976,14 @@ def test_gpu_pair_equals_split(name, mode, monkeypatch):
     """Stage 2 as pairs (CULA_KDA_RECUR_PAIR=1: one CTA per item, one math warpgroup per V half, the stage's tiles
     shared and the packed tile masked by both) runs each V half's instructions on the same operands as the split
     launch: the scratch, o and the final state are bitwise the split launch's, with and without a state, twice, and
-    in a CUDA graph. The state buffer is off in both (pair never takes it); the pair kernel must have run."""
+    in a CUDA graph. The state buffer is off in both (pair never takes it); the pair kernel must have run. Packed,
+    pair masks with the word mask and the split launch with PACK_MASK's (rows): both masks are exact."""
     from cula.kernels.sm90 import kda_fwd_recur as kr
 
     args, kw = _equality_case(name)
     monkeypatch.setattr(kda_fwd, "U_IN_RECUR", True)
     monkeypatch.setattr(kda_fwd, "W_IN_RECUR", True)
     monkeypatch.setattr(kda_fwd, "PACK", "0" if mode == "unpacked" else "1")
-    monkeypatch.setattr(kr, "PACK_MASK", "words")
     monkeypatch.setattr(kr, "STATE_SMEM_ENV", "0")
     keys = _recorded_launch_keys(monkeypatch)
     _check_bitwise_equal(args, kw, lambda: monkeypatch.setattr(kr, "PAIR_ENV", "0"),
@@ -1547,7 +1552,7 @@ def test_ptx_pair():
     from cula.kernels.common.ptx_check import ptx_reports
     from cula.kernels.sm90 import kda_fwd_recur as kr
 
-    names = ["recur_v2_t_in_pack_x", "recur_v2_t_in_pack_x_pair", "recur_v2_t_in_x_pair",
+    names = ["recur_v2_t_in_pack_x_words", "recur_v2_t_in_pack_x_pair", "recur_v2_t_in_x_pair",
              "recur_v2_t_in_pack_x_pair_no_state", "recur_v2_t_in_pack_x_pair_h0_only",
              "recur_v2_t_in_pack_x_pair_ht_only", "recur_v2_t_in_x_pair_v_first"]
     r = ptx_reports("cula.kernels.sm90.kda_fwd", names)

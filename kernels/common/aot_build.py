@@ -89,11 +89,9 @@ SCENARIOS = {
     # device_round pack: the packed [Aqk | T'] tile (kda_fwd.PACK) in the check cases, the GPU test's and the splits
     "pack_checks": ("tc", {"PACK": "1"}),
     "pack_split": ("split", {"PACK": "1"}),
-    # device_round s42_mask: the packed tile masked in two passes (CULA_KDA_PACK_MASK=rows) in the GPU tests' check
-    # cases and the split rows
-    "rows_checks": ("tc", {"recur.PACK_MASK": "rows"}),
-    "rows_pack_checks": ("tc", {"recur.PACK_MASK": "rows", "PACK": "1"}),
-    "rows_split": ("split", {"recur.PACK_MASK": "rows"}),
+    # device_round s42_mask (run in session 44): the packed tile's word mask (CULA_KDA_PACK_MASK=words, the default
+    # before session 44; rows since) in the split rows, against the default
+    "words_split": ("split", {"recur.PACK_MASK": "words"}),
     "unpacked_split": ("split", {"PACK": "0"}),
     # device_round s43_pair: stage 2 as pairs (recur.PAIR_ENV "1") and the split launch it must equal bitwise, the
     # state buffer off in both (the GPU test's calls), unpacked and packed; the split rows with pairs and the suites
@@ -348,7 +346,7 @@ CORE_SCENARIOS = ("default", "u_in_recur", "split", "split_u", "suites", "checks
                   "ctas2_split", "suites_ctas2", "unpacked_checks", "ctas2_unpacked_checks", "diag_no_qkx",
                   "widen_cvt_checks", "kgt_kh_checks", "s36_split",
                   "gate_square_checks", "gate_square_split", "diag_clock",
-                  "diag_no_stores", "raw_split", "raw_suites", "rows_checks", "rows_pack_checks", "rows_split",
+                  "diag_no_stores", "raw_split", "raw_suites", "words_split",
                   *(f"{n}_{m}_checks" for n in ("nossm", "pair") for m in ("unpacked", "packed")),
                   "pair_split", "pair_auto_suites")
 

@@ -154,14 +154,16 @@ for s in $steps; do
         ncu -i "$OUT/intra_tc.ncu-rep" --page source --csv --print-source ptx > "$OUT/ncu_ptx.csv" 2>&1
         grep -iE "warp cycles|eligible|issued|throughput|registers|occupancy" "$OUT/ncu_details.txt" | head -30
         python3 -m cula.kernels.common.ncu_phases "$OUT/ncu_sass.csv" --warps $((4096 * 4)) ;;
-    s42_mask)  # session 42: the packed tile masked in two passes (CULA_KDA_PACK_MASK=rows: the off-diagonal pieces, then
-        # row r's diagonal piece by thread r): packed bitwise the unpacked path and the w-in-stage-2 references (GPU
-        # tests), then the packed split rows against the default (the word mask), A/B/A in one call (AOT rows_*)
-        step s42_mask_tests 200 env CULA_KDA_PACK_MASK=rows python3 -u -m pytest -x -v -m gpu -p no:cacheprovider \
+    s42_mask)  # session 42: the packed tile masked in two passes (mask_packed_rows, the default since session 44):
+        # packed bitwise the unpacked path and the w-in-stage-2 references (GPU tests), then the packed split rows
+        # against the word mask (CULA_KDA_PACK_MASK=words, the default before), A/B/A in one call (AOT words_split)
+        step s42_mask_tests 200 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider \
             -rf tests/test_kernel_kda_fwd.py -k "pack_equals_unpacked or w_in_recur" || continue
-        step s42_split_words 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split packed
-        step s42_split_rows 90 env CULA_KDA_PACK_MASK=rows python3 -u -m cula.kernels.sm90.kda_fwd --check --split packed
-        step s42_split_words 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split packed ;;
+        step s42_split_words 90 env CULA_KDA_PACK_MASK=words python3 -u -m cula.kernels.sm90.kda_fwd --check \
+            --split packed
+        step s42_split_rows 90 python3 -u -m cula.kernels.sm90.kda_fwd --check --split packed
+        step s42_split_words 90 env CULA_KDA_PACK_MASK=words python3 -u -m cula.kernels.sm90.kda_fwd --check \
+            --split packed ;;
     s43_pair)  # session 43: stage 2 as pairs (CULA_KDA_RECUR_PAIR=1: both V halves of an item in one CTA, one math
         # warpgroup each, the stage's tiles shared): bitwise the split launch (GPU tests), then the pair split rows
         # A/B/A (AOT nossm_* / pair_*)

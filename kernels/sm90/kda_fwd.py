@@ -679,21 +679,20 @@ def kda_fwd(
     def launch_recur(u_in, h_in, o_out, h_out, v_first: bool, pdl: bool, stream_handle: int) -> None:
         rflags = dict(has_initial_state=h_in is not None, output_final_state=h_out is not None,
                       state_v_first=v_first)
+        ssm = variant == "v2" and recur.use_state_smem(N, NC, h_in is not None or h_out is not None)
+        pair = (recur.pair_refusal(x_split, raw, pack, recur.WIDE_PACK_MASK, ssm) is None
+                and recur.use_pair(N, HV, sm_count(dev)))
         if u_split:  # only set, so the keys of the other calls stay as before (u_in is the input v)
             rflags.update(t_in=True)
-            if pack:
-                rflags.update(pack=True)
-                if recur.PACK_MASK != "words":  # opt-in (CULA_KDA_PACK_MASK): the default's key stays as before
-                    rflags.update(pack_mask=recur.PACK_MASK)
+            if pack:  # the mask named in the key: pair and raw take the word mask, the split launch PACK_MASK's
+                rflags.update(pack=True, pack_mask=recur.WIDE_PACK_MASK if pair or raw else recur.PACK_MASK)
             if x_split:
                 rflags.update(x_in=True)
             if recur.RECUR_DIAG:  # timing diagnostics: o is wrong
                 warnings.warn(f"CULA_KDA_RECUR_DIAG={','.join(recur.RECUR_DIAG)}: stage 2's outputs are wrong "
                               "(timing only)", stacklevel=2)
                 rflags.update(diag=recur.RECUR_DIAG)
-        ssm = variant == "v2" and recur.use_state_smem(N, NC, h_in is not None or h_out is not None)
-        if (recur.pair_refusal(x_split, raw, pack, recur.PACK_MASK, ssm) is None
-                and recur.use_pair(N, HV, sm_count(dev))):
+        if pair:
             rflags.update(pair=True)  # (only set: the other keys stay as before)
         if raw:
             gate = "log" if log_tc else ("softplus" if softplus_tc else "sigmoid")

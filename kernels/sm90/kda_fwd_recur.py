@@ -118,12 +118,15 @@ STATE_PIECES = BV * DK // 4 // V2_MATH_THREADS  # 16-byte pieces of a state tile
 STATE_BARRIER = 1  # named barrier of the 128 math threads (0 is the CTA's)
 V_ZERO_BARRIER = 2  # t_in: the math threads' zeroing of a partial chunk's v rows is done
 PACK_BARRIER = 3  # pack: the math threads' masking of a stage's two copies of the packed tile is done
-#: How the math threads mask the packed tile's two copies: "words" (mask_packed_words, sessions 29-41: each warp's
-#: diagonal lanes word by word while the others wait; GPU-tested) or "rows" (mask_packed_rows, session 42: two passes,
-#: ~380 -> ~115 instructions a math warp a chunk; checked on the CPU, from its source, by
-#: tests/test_kda_mask_packed_emulated.py, and not yet run on a GPU, hence opt-in). ``CULA_KDA_PACK_MASK``.
-PACK_MASKS = ("words", "rows")
-PACK_MASK = __import__("os").environ.get("CULA_KDA_PACK_MASK", "words")
+#: How the math threads mask the packed tile's two copies: "rows" (mask_packed_rows, the default since session 44:
+#: two passes, the off-diagonal pieces, then row r's diagonal piece by thread r; ~380 -> ~115 instructions a math
+#: warp a chunk; H100: stage 2 -3.7% at B2 T16384, -4.4% at B1 T16384, bitwise the unpacked path) or "words"
+#: (mask_packed_words, sessions 29-43: each warp's diagonal lanes word by word while the others wait).
+#: ``CULA_KDA_PACK_MASK`` sets the 160-thread launch's; the 384-thread ones (pair, raw_in) take WIDE_PACK_MASK
+#: whatever it says: the rows mask spills in pair's 232 registers, and raw_in ran its GPU tests with the word mask.
+PACK_MASKS = ("rows", "words")
+PACK_MASK = __import__("os").environ.get("CULA_KDA_PACK_MASK", "rows")
+WIDE_PACK_MASK = "words"
 
 
 def packed_piece_offset(st, r, p):
@@ -140,8 +143,8 @@ def packed_piece_offset(st, r, p):
 # takes pairs only where the V halves outnumber the SMs. 2 x 128 math threads + the TMA warp (warp 8): Hopper
 # allocates registers by warpgroup, so the launch is 384 threads' worth at 168 a thread (as raw_in's); setmaxnreg
 # gives the math warpgroups 232 and leaves the TMA warpgroup 40 (2 x 232 + 40 = 3 x 168). With the word mask
-# (PACK_MASK's default) every state option fits without spills; the rows mask does not (12-32 bytes spilled at
-# 232 / 40 or at 240 / 24, depending on the state options), so pair takes the word mask only. Two stages (80.7 KB
+# (WIDE_PACK_MASK) every state option fits without spills; the rows mask (the split launch's default) does not
+# (12-32 bytes spilled at 232 / 40 or at 240 / 24, depending on the state options), so pair takes the word mask. Two stages (80.7 KB
 # each: v's two halves) and eight warps' o staging fit 227 KB; the state buffer does not, so pair is never combined
 # with state_smem. The values are the split launch's bitwise: each warpgroup runs the same instructions on the same
 # operands as the CTA of its V half would.
@@ -193,7 +196,7 @@ def pair_refusal(x_in: bool, raw_in: bool, pack: bool, pack_mask: str, state_sme
         return "needs x_in (w in stage 2), got x_in=False"
     if raw_in:
         return "not with raw_in (its transform warpgroup), got raw_in=True"
-    if pack and pack_mask != "words":
+    if pack and pack_mask != WIDE_PACK_MASK:
         return f"the packed tile with the word mask only (the rows mask spills there), got pack_mask={pack_mask!r}"
     if state_smem:
         return "the state buffer does not fit beside two V halves' stages, got state_smem=True"
@@ -277,11 +280,12 @@ class KdaFwdRecur:
         # the diagonal, T' transposed above it, T''s diagonal after γ. It is loaded twice, into the Aqk tile (read
         # K-major, as unpacked) and into a T' tile read MN-major (B = the tile's transpose); the math warps zero
         # each copy's other half (and set T''s diagonal) while the chunk's first product, Sᵀ(-w)ᵀ, runs
-        # (mask_packed_words, or mask_packed_rows with PACK_MASK "rows").
+        # (mask_packed_rows, PACK_MASK's default, or mask_packed_words: pair's, WIDE_PACK_MASK).
         if pack and not t_in:
             raise ValueError("pack (CULA_KDA_PACK): needs t_in (u in stage 2), got t_in=False")
         self.pack = pack
-        pack_mask = PACK_MASK if pack_mask is None else pack_mask
+        if pack_mask is None:
+            pack_mask = WIDE_PACK_MASK if pair or raw_in else PACK_MASK
         if pack_mask not in PACK_MASKS:
             raise ValueError(f"pack_mask (CULA_KDA_PACK_MASK): expected one of {PACK_MASKS}, got {pack_mask!r}")
         self.pack_mask = pack_mask
@@ -1632,8 +1636,8 @@ def compile_targets():
     targets["v2_t_in_pack_state_smem"] = build(**full, variant="v2", state_smem=True, t_in=True, pack=True)
     # w in stage 2 (kda_fwd.W_IN_RECUR): v_new = T'(v - X S), packed and unpacked, with the state buffer too
     targets["v2_t_in_pack_x"] = build(**full, variant="v2", t_in=True, pack=True, x_in=True)
-    targets["v2_t_in_pack_x_rows"] = build(**full, variant="v2", t_in=True, pack=True, x_in=True,
-                                           pack_mask="rows")  # CULA_KDA_PACK_MASK=rows
+    targets["v2_t_in_pack_x_words"] = build(**full, variant="v2", t_in=True, pack=True, x_in=True,
+                                            pack_mask="words")  # CULA_KDA_PACK_MASK=words (pair's mask)
     targets["v2_t_in_x"] = build(**full, variant="v2", t_in=True, x_in=True)
     # pair (PAIR_ENV): both V halves in one CTA, packed and unpacked, each state option, V-first
     targets["v2_t_in_pack_x_pair"] = build(**full, variant="v2", t_in=True, pack=True, x_in=True, pair=True)
