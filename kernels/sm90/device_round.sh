@@ -41,6 +41,10 @@ expand s38 "s38_clock_test s38_raw s38_clock"
 # "s43": session 43's queue (no device call ran then): the pair GPU tests and --split pair A/B/A (pairs stay opt-in,
 # CULA_KDA_RECUR_PAIR=0, until they pass and win), then s42_mask (the steps after s43_pair run only if its tests pass)
 expand s43 "s43_pair s42_mask"
+# "s44": session 44's second call, after the rows mask became the default: the pair GPU tests (pair's word mask
+# against the split launch's rows), the training GPU tests, and the suites to publish; on an H200 first the pair
+# split (does the chain-bound H200 take pairs?) and the L2 premise there
+expand s44 "s44_pair_tests train kda_suite kda_layer_suite" "s43_pair s41_l2 train kda_suite kda_layer_suite"
 start=$SECONDS
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 t=$2; shift 2
@@ -172,6 +176,9 @@ for s in $steps; do
         step s43_split_a 100 env CULA_KDA_RECUR_PAIR=0 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair
         step s43_split_pair 100 env CULA_KDA_RECUR_PAIR=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair
         step s43_split_b 100 env CULA_KDA_RECUR_PAIR=0 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair ;;
+    s44_pair_tests)  # session 44: s43_pair's GPU tests alone
+        step s44_pair_tests 240 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+            -k "pair_equals_split" || { echo "== pair GPU tests failed"; } ;;
     s43_lean)  # session 43, with little device time left: four cases of the pair GPU tests, then --split pair_lean (B2
         # T16384, skewed n10 T16384) with pairs off and on
         step s43_lean_tests 150 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
