@@ -42,10 +42,9 @@ expand s38 "s38_clock_test s38_raw s38_clock"
 # CULA_KDA_RECUR_PAIR=0, until they pass and win), then s42_mask (the steps after s43_pair run only if its tests pass)
 expand s43 "s43_pair s42_mask"
 # "s44": the call after the rows mask became the default (session 44): the pair GPU tests (pair's word mask against
-# the split launch's rows), the training GPU tests, and the suites to publish; on an H200 the pair split in place of
-# the training tests (does the chain-bound H200 take pairs?), which then go in "s44b" with the L2 premise there
-expand s44 "s44_pair_tests train kda_suite kda_layer_suite" "s43_pair kda_suite kda_layer_suite"
-expand s44b "train s41_l2"
+# the split launch's rows), then the suites to publish; on an H200 with the pair split too (does the chain-bound H200
+# take pairs?). The training forward does not pack, so the rows mask leaves it as it was
+expand s44 "s44_pair_tests kda_suite kda_layer_suite" "s43_pair kda_suite kda_layer_suite"
 start=$SECONDS
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 t=$2; shift 2
