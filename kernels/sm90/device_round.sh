@@ -44,7 +44,7 @@ expand s43 "s43_pair s42_mask"
 # "s44": the call after the rows mask became the default (session 44): the pair GPU tests (pair's word mask against
 # the split launch's rows), then the suites to publish; on an H200 with the pair split too (does the chain-bound H200
 # take pairs?). The training forward does not pack, so the rows mask leaves it as it was
-expand s44 "s44_pair_tests kda_suite kda_layer_suite" "s43_pair kda_suite kda_layer_suite"
+expand s44 "s44_pair_tests kda_suite kda_layer_suite" "s44_pair_tests s44_pair_split kda_suite kda_layer_suite"
 start=$SECONDS
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 t=$2; shift 2
@@ -179,6 +179,11 @@ for s in $steps; do
     s44_pair_tests)  # session 44: s43_pair's GPU tests alone
         step s44_pair_tests 240 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
             -k "pair_equals_split" || { echo "== pair GPU tests failed"; } ;;
+    s44_pair_split)  # session 44: s43_pair's split rows alone, pairs off / on / off (the split launch: the rows mask)
+        for p in 0 1 0; do
+            step s44_split_pair$p 100 env CULA_KDA_RECUR_PAIR=$p python3 -u -m cula.kernels.sm90.kda_fwd --check \
+                --split pair
+        done ;;
     s43_lean)  # session 43, with little device time left: four cases of the pair GPU tests, then --split pair_lean (B2
         # T16384, skewed n10 T16384) with pairs off and on
         step s43_lean_tests 150 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
