@@ -143,11 +143,11 @@ def packed_piece_offset(st, r, p):
 # takes pairs only where the V halves outnumber the SMs. 2 x 128 math threads + the TMA warp (warp 8): Hopper
 # allocates registers by warpgroup, so the launch is 384 threads' worth at 168 a thread (as raw_in's); setmaxnreg
 # gives the math warpgroups 232 and leaves the TMA warpgroup 40 (2 x 232 + 40 = 3 x 168). With the word mask
-# (WIDE_PACK_MASK) every state option fits without spills; the rows mask (the split launch's default) does not
-# (12-32 bytes spilled at 232 / 40 or at 240 / 24, depending on the state options), so pair takes the word mask. Two stages (80.7 KB
-# each: v's two halves) and eight warps' o staging fit 227 KB; the state buffer does not, so pair is never combined
-# with state_smem. The values are the split launch's bitwise: each warpgroup runs the same instructions on the same
-# operands as the CTA of its V half would.
+# (WIDE_PACK_MASK) every state option fits without spills; the rows mask (the split launch's default) does not:
+# with a final state ptxas spills the persistent loop's item counter (4 bytes, once an item; session 44's SASS),
+# so pair takes the word mask. Two stages (80.7 KB each: v's two halves) and eight warps' o staging fit 227 KB; the
+# state buffer does not, so pair is never combined with state_smem. The values are the split launch's bitwise: each
+# warpgroup runs the same instructions on the same operands as the CTA of its V half would.
 PAIR_MODES = ("0", "1", "auto")
 PAIR_ENV = __import__("os").environ.get("CULA_KDA_RECUR_PAIR", "0")
 PAIR_MATH_THREADS = 2 * V2_MATH_THREADS
