@@ -102,10 +102,11 @@ CASES = [
 ]
 
 
-# (variant, inverse) per case: every case for v1 x both inverses and v2 x column; v2 x blocked on the
-# weak-decay case only (the one where every block of T matters), ~20 s per emulated run.
-COMBOS = [(c, "v1", inv) for c in CASES for inv in intra.INVERSES] + [(c, "v2", "column") for c in CASES] \
-    + [(CASES[2], "v2", "blocked")]
+# (variant, inverse) per case: every case for v1 x both inverses and v2 x column, except the varlen tail's v1 x
+# column (a tail is masked where the rows load; neither inverse reads nvalid, and T64 covers both: ~30 s saved);
+# v2 x blocked on the weak-decay case only (the one where every block of T matters); ~12 s an emulated chunk.
+COMBOS = [(c, "v1", inv) for c in CASES for inv in intra.INVERSES if (c[0], inv) != ("varlen-tail", "column")] \
+    + [(c, "v2", "column") for c in CASES] + [(CASES[2], "v2", "blocked")]
 
 
 @pytest.mark.parametrize("name, T, cu, flags, variant, inverse", [(*c, v, inv) for c, v, inv in COMBOS],
