@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cula.bench.timing import event_ms
+
 # ------------------------------------------------------------------------------------------- inputs
 
 
@@ -202,15 +204,7 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    times.sort()
+    times = sorted(event_ms(lambda: dst.copy_(src)) * 1e-3 for _ in range(reps))
     return 2 * nbytes / times[len(times) // 2]
 
 
@@ -229,15 +223,7 @@ def graph_time(calls: list[Callable[[], Any]], reps: int = 20) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / len(calls))
-    times.sort()
+    times = sorted(event_ms(graph.replay) * 1e-3 / len(calls) for _ in range(reps))
     return times[len(times) // 2]
 
 
