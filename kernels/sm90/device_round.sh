@@ -63,6 +63,16 @@ if [ -d .device/aot ] && [ -z "${CULA_AOT_DIR:-}" ]; then
     export CULA_AOT_DIR=$PWD/.device/aot
     echo "== aot: $(ls .device/aot | wc -l) modules in $CULA_AOT_DIR"
 fi
+pair_tests() {  # stage 2 as pairs bitwise the split launch (the GPU tests of s43_pair, s44_pair_tests)
+    step pair_tests 240 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
+        -k "pair_equals_split"
+}
+pair_splits() {  # --split pair with pairs off / on / off (s43_pair, s44_pair_split)
+    local p
+    for p in 0 1 0; do
+        step split_pair$p 100 env CULA_KDA_RECUR_PAIR=$p python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair
+    done
+}
 s21_check() {
     local cases=tc-T1,tc-T65-gva-vfirst,tc-T1000-negeig,tc-varlen-zero,tc-lb11-strong,tc-softplus-varlen-zero
     step s21_check 200 python3 -u -m cula.kernels.sm90.kda_fwd --check --no-bench --cases $cases
@@ -170,20 +180,13 @@ for s in $steps; do
             --split packed ;;
     s43_pair)  # session 43: stage 2 as pairs (CULA_KDA_RECUR_PAIR=1: both V halves of an item in one CTA, one math
         # warpgroup each, the stage's tiles shared): bitwise the split launch (GPU tests), then the pair split rows
-        # A/B/A (AOT nossm_* / pair_*)
-        step s43_pair_tests 240 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
-            -k "pair_equals_split" || { echo "== pair GPU tests failed: the later steps are skipped"; break; }
-        step s43_split_a 100 env CULA_KDA_RECUR_PAIR=0 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair
-        step s43_split_pair 100 env CULA_KDA_RECUR_PAIR=1 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair
-        step s43_split_b 100 env CULA_KDA_RECUR_PAIR=0 python3 -u -m cula.kernels.sm90.kda_fwd --check --split pair ;;
-    s44_pair_tests)  # session 44: s43_pair's GPU tests alone
-        step s44_pair_tests 240 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \
-            -k "pair_equals_split" || { echo "== pair GPU tests failed"; } ;;
+        # A/B/A (AOT nossm_* / pair_*); the steps after it run only if its tests pass
+        pair_tests || { echo "== pair GPU tests failed: the later steps are skipped"; break; }
+        pair_splits ;;
+    s44_pair_tests)  # session 44: s43_pair's GPU tests alone (the later steps run either way)
+        pair_tests ;;
     s44_pair_split)  # session 44: s43_pair's split rows alone, pairs off / on / off (the split launch: the rows mask)
-        for p in 0 1 0; do
-            step s44_split_pair$p 100 env CULA_KDA_RECUR_PAIR=$p python3 -u -m cula.kernels.sm90.kda_fwd --check \
-                --split pair
-        done ;;
+        pair_splits ;;
     s43_lean)  # session 43, with little device time left: four cases of the pair GPU tests, then --split pair_lean (B2
         # T16384, skewed n10 T16384) with pairs off and on
         step s43_lean_tests 150 python3 -u -m pytest -x -v -m gpu -p no:cacheprovider -rf tests/test_kernel_kda_fwd.py \

@@ -684,8 +684,8 @@ def kda_fwd(
                 and recur.use_pair(N, HV, sm_count(dev)))
         if u_split:  # only set, so the keys of the other calls stay as before (u_in is the input v)
             rflags.update(t_in=True)
-            if pack:  # the mask named in the key: pair and raw take the word mask, the split launch PACK_MASK's
-                rflags.update(pack=True, pack_mask=recur.WIDE_PACK_MASK if pair or raw else recur.PACK_MASK)
+            if pack:  # the mask named in the key (pair and raw take the word mask, the split launch PACK_MASK's)
+                rflags.update(pack=True, pack_mask=recur.pack_mask_for(pair, raw))
             if x_split:
                 rflags.update(x_in=True)
             if recur.RECUR_DIAG:  # timing diagnostics: o is wrong

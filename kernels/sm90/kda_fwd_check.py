@@ -274,7 +274,8 @@ def main(argv: list[str]) -> int:
 
         kf.INTRA_TC = False
         print("stage 1: SIMT only", flush=True)
-    if "--split" in argv:  # --split [varlen | all | worst | small | pdl | l2 | items | packed | pair[_lean]] [--no-h0|--no-ht]
+    # --split [varlen | all | worst | small | pdl | l2 | items | packed | pair | pair_lean] [--no-h0] [--no-ht]
+    if "--split" in argv:
         nxt = argv[argv.index("--split") + 1] if argv.index("--split") + 1 < len(argv) else ""
         sets = {"varlen": SPLIT_VARLEN, "all": SPLIT_FIXED + SPLIT_VARLEN, "worst": SPLIT_WORST,
                 "small": SPLIT_SMALL, "pdl": SPLIT_PDL, "l2": SPLIT_L2,

@@ -129,6 +129,11 @@ PACK_MASK = __import__("os").environ.get("CULA_KDA_PACK_MASK", "rows")
 WIDE_PACK_MASK = "words"
 
 
+def pack_mask_for(pair: bool, raw_in: bool) -> str:
+    """The packed tile's mask a launch takes unless told: WIDE_PACK_MASK for the 384-thread ones, else PACK_MASK."""
+    return WIDE_PACK_MASK if pair or raw_in else PACK_MASK
+
+
 def packed_piece_offset(st, r, p):
     """Element offset of 16-byte piece ``p`` (columns 8p..8p+7) of row ``r`` in stage ``st``'s copy of the packed
     tile: the 128-byte swizzle puts it at 16-byte column p ^ (r % 8) (layout_facts' pack_mask_offset_mismatches)."""
@@ -285,7 +290,7 @@ class KdaFwdRecur:
             raise ValueError("pack (CULA_KDA_PACK): needs t_in (u in stage 2), got t_in=False")
         self.pack = pack
         if pack_mask is None:
-            pack_mask = WIDE_PACK_MASK if pair or raw_in else PACK_MASK
+            pack_mask = pack_mask_for(pair, raw_in)
         if pack_mask not in PACK_MASKS:
             raise ValueError(f"pack_mask (CULA_KDA_PACK_MASK): expected one of {PACK_MASKS}, got {pack_mask!r}")
         self.pack_mask = pack_mask
