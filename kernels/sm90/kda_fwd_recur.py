@@ -316,6 +316,7 @@ class KdaFwdRecur:
         if refusal:
             raise ValueError(f"pair (CULA_KDA_RECUR_PAIR): {refusal}")
         self.pair = pair
+        self.item_vtiles = 1 if pair else DV // BV  # V tiles a work item splits into (pair: one item, both halves)
         if pair:
             self.stages = PAIR_STAGES
         self.math_threads = PAIR_MATH_THREADS if pair else V2_MATH_THREADS
@@ -794,7 +795,7 @@ class KdaFwdRecur:
             mChunks, mSeq, mO, mH0, mHT, self.mma_rs_n64, self.mma_rs_n128,
             self.w2_layout, self.t64_layout, self.kgt2_layout, self.gam_layout, self.aqk2_layout, self.va_layout,
             tma_tp, tTp, self.tp_layout, mNrm, mAlog, mDtb, lower_bound, group,
-        ).launch(grid=[cutlass.min((1 if self.pair else DV // BV) * HV * N, max_ctas), 1, 1],
+        ).launch(grid=[cutlass.min(self.item_vtiles * HV * N, max_ctas), 1, 1],
                  block=[self.threads_v2, 1, 1],
                  smem=SharedStorageV2.size_in_bytes(), stream=stream, use_pdl=self.pdl)
 
@@ -871,7 +872,7 @@ class KdaFwdRecur:
         # fill, the launch and the drain each time, ~2.8 µs an item at varlen n20 T8192).
         cta, _, _ = cute.arch.block_idx()
         n_ctas, _, _ = cute.arch.grid_dim()
-        n_vt = 1 if self.pair else DV // BV  # pair: an item is both V tiles
+        n_vt = self.item_vtiles
         n_hv = mO.shape[1]
         n_items = n_vt * n_hv * mSeq.shape[0]
         dims = (n_vt, n_hv, mSeq.shape[0])
